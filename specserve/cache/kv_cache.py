@@ -1,0 +1,99 @@
+"""The paged KV cache: a block pool (host bookkeeping) and the KV tensor it indexes (device).
+
+One tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` holds every layer's keys
+and values; ``layer_views()`` hands each attention layer its ``(k, v)`` slice. Draft-head layers are
+extra layers in the same tensor (``num_layers`` = target layers + head layers), so one block id
+addresses a token's KV in every layer. Block 0 is reserved: padding tokens write there and padded
+block-table entries point there, so no index is ever garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from specserve.config import CacheConfig, blocks_for_bytes, cdiv
+
+log = logging.getLogger("specserve")
+
+PAD_BLOCK = 0
+
+
+class BlockPool:
+    """Free list of physical block ids ``1 .. num_blocks-1`` (block 0 is the padding block)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def blocks_needed(self, block_ids: list[int], num_slots: int) -> int:
+        """How many more blocks a request holding ``block_ids`` needs for ``num_slots`` token slots."""
+        return max(0, cdiv(num_slots, self.block_size) - len(block_ids))
+
+    def can_reserve(self, block_ids: list[int], num_slots: int) -> bool:
+        return self.blocks_needed(block_ids, num_slots) <= self.num_free
+
+    def reserve(self, block_ids: list[int], num_slots: int) -> None:
+        """Grow ``block_ids`` in place so it covers ``num_slots`` slots (reserve-ahead included)."""
+        need = self.blocks_needed(block_ids, num_slots)
+        if need > self.num_free:
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free} free")
+        for _ in range(need):
+            block_ids.append(self._free.popleft())
+
+    def free(self, block_ids: list[int]) -> None:
+        """Return every block of a request to the pool and empty its list."""
+        self._free.extend(reversed(block_ids))
+        block_ids.clear()
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_usable
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device) -> int:
+    """Pool size from the cache config: an exact count, an explicit byte budget, or free memory."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if cfg.kv_cache_memory_bytes is not None:
+        budget = cfg.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.gpu_memory_utilization)
+    else:
+        budget = cfg.cpu_kv_cache_bytes
+    n = blocks_for_bytes(budget, per_block)
+    if n < 2:
+        raise ValueError(f"KV cache budget of {budget} bytes holds {n} blocks of {per_block} bytes; need at least 2")
+    return n
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.tensor = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        log.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, block_size,
+                 self.tensor.numel() * self.tensor.element_size() / 2**20)
+
+    def layer_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.tensor.shape[0])]

@@ -1,0 +1,110 @@
+"""Command line: ``specserve generate "PROMPT" [PROMPT ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, float16, bfloat16")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step; longer prompts are prefilled in chunks")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                   help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with one-model speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate replies to prompts (chat template applied)")
+    gen.add_argument("prompts", nargs="+", help="prompts; '-' reads one prompt per line from stdin")
+    _add_engine_args(gen)
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per prompt")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    s.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--system", default=None, help="system message for the chat template")
+    gen.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+    return parser
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from specserve import LLM, SamplingParams
+
+    prompts: list[str] = []
+    for p in a.prompts:
+        prompts.extend(line.rstrip("\n") for line in sys.stdin if line.strip()) if p == "-" else prompts.append(p)
+    try:
+        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+                                seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
+                                stop_token_ids=a.stop_token_ids or [], ignore_eos=a.ignore_eos)
+        llm = LLM(model=a.model, **_engine_kwargs(a))
+    except ValueError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    tok = llm.tokenizer
+    reqs: list = []
+    for p in prompts:
+        if a.no_chat_template or not tok.has_chat_template:
+            reqs.append(p)
+        elif not p:
+            reqs.append("")  # reported as an empty-prompt error below
+        else:
+            msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": p}]
+            reqs.append({"prompt_token_ids": tok.apply_chat_template(msgs)})
+    outs = llm.generate(reqs, params, raise_on_error=False)
+    failed = 0
+    for prompt, o in zip(prompts, outs):
+        if o.error:
+            failed += 1
+            print(f"specserve: error: prompt {prompt[:40]!r}: {o.error}", file=sys.stderr)
+            if a.json:
+                print(json.dumps({"prompt": prompt, "error": o.error, "finish_reason": "error"}))
+            continue
+        if a.json:
+            print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason,
+                              "num_prompt_tokens": len(o.prompt_token_ids), "timings": o.timings()}))
+        else:
+            print(o.text)
+            if len(prompts) > 1:
+                print()
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if a.command == "generate":
+        return cmd_generate(a)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

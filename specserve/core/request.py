@@ -1,0 +1,144 @@
+"""A request's host-side state and the result objects returned to users."""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from specserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tpot(self, num_tokens: int) -> float | None:
+        """Mean seconds per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+class Request:
+    """One generation request. ``token_ids`` holds prompt then output tokens; ``num_computed_tokens``
+    of them have KV in ``block_ids``. After a preemption ``num_computed_tokens`` is 0 and the request
+    recomputes prompt + output so far before sampling again."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 max_total_tokens: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        # Every request gets a seed so that sampling is a pure function of (seed, output index).
+        self.seed = params.seed if params.seed is not None else random.getrandbits(31)
+        self.max_total_tokens = max_total_tokens
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.detokenizer = None  # set by the engine
+        self.output_text = ""
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.perf_counter()
+
+    def append_token(self, token: int) -> None:
+        """Add one generated token and finish the request if it ends generation."""
+        self.token_ids.append(token)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.perf_counter()
+        if token in self.stop_ids:
+            self.finish("stop", None if token not in self.params.stop_token_ids else token)
+        elif self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
+            self.finish("length")
+        elif self.num_tokens >= self.max_total_tokens:
+            self.finish("length")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request (vLLM's shape: ``outputs[0].text``; shortcuts on the object)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    def timings(self) -> dict:
+        m = self.metrics
+        if m is None:
+            return {}
+        return {"ttft_s": m.ttft, "tpot_s": m.tpot(len(self.token_ids)), "e2e_s": m.e2e,
+                "num_preemptions": m.num_preemptions}

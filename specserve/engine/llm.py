@@ -1,0 +1,139 @@
+"""The offline API, in vLLM's shape: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from specserve.core.request import CompletionOutput, RequestOutput
+from specserve.engine.llm_engine import EngineArgs, LLMEngine
+from specserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    ``model`` is a Hugging Face folder, a ``.gguf`` file, or None for the embedded default
+    (SmolLM2-135M-Instruct). Other keyword arguments are the fields of :class:`EngineArgs`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        names = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(names - {'model'})}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        raise_on_error: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one or many prompts (text, token ids, or ``{"prompt_token_ids": [...]}``).
+
+        All requests run together under continuous batching; results come back in prompt order.
+        With ``raise_on_error=False`` a bad prompt yields an output with ``finish_reason='error'`` and
+        ``error`` set while the others run; by default the ``ValueError`` is raised before anything runs.
+        """
+        plist = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
+        ids: list[str | None] = []
+        errors: dict[int, str] = {}
+        for i, (p, sp) in enumerate(zip(plist, params)):
+            try:
+                ids.append(self.engine.add_request(_prompt_value(p), sp))
+            except ValueError as e:
+                if raise_on_error:
+                    for rid in ids:
+                        if rid is not None:
+                            self.engine.abort_request(rid)
+                    raise ValueError(f"prompt {i}: {e}") from None
+                ids.append(None)
+                errors[i] = str(e)
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids) - len(errors), use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        final = []
+        for i, rid in enumerate(ids):
+            if rid is None:
+                p = plist[i]
+                final.append(RequestOutput(str(i), p if isinstance(p, str) else None, [],
+                                           [CompletionOutput(0, "", [], "error")], True, error=errors[i]))
+            else:
+                final.append(results[rid])
+        return final
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        raise_on_error: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``) or
+        to several, and generate the assistant replies."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            for m in conv:
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise ValueError(f"chat messages must be {{'role', 'content'}} dicts, got {m!r}")
+            prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(conv)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_error=raise_on_error)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(x, int) for x in prompts):
+        return [prompts]  # one tokenized prompt
+    return prompts
+
+
+def _prompt_value(p: Prompt):
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(p, str):
+        return p
+    if isinstance(p, (list, tuple)):
+        return list(p)
+    raise ValueError(f"a prompt must be text, a list of token ids or a dict, got {type(p).__name__}")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

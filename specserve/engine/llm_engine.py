@@ -1,0 +1,165 @@
+"""LLMEngine: owns the model, KV cache, scheduler and runner; ``step()`` advances every request once."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
+from specserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from specserve.core.request import CompletionOutput, Request, RequestOutput
+from specserve.loaders import load_model
+from specserve.runner.model_runner import ModelRunner
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.scheduler import Scheduler
+from specserve.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("specserve")
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine (the keyword arguments of ``LLM``)."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.8
+    num_kv_blocks: int | None = None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                        gpu_memory_utilization=args.gpu_memory_utilization,
+                                        num_blocks=args.num_kv_blocks)
+        loaded = load_model(args.model, self.dtype, self.device)
+        self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
+        self.model_path = loaded.path
+        cfg = self.model_config
+        per_block = bytes_per_block(cfg.num_hidden_layers, args.block_size, cfg.num_key_value_heads,
+                                    cfg.head_dim, self.dtype)
+        num_blocks = plan_num_blocks(self.cache_config, per_block, self.device)
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size, cfg.num_key_value_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, args.block_size)
+        max_len = args.max_model_len or cfg.max_position_embeddings
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's context of {cfg.max_position_embeddings}")
+        capacity = self.pool.num_usable * args.block_size
+        if max_len > capacity:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d", capacity, max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                                   max_model_len=max_len), self.pool)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request. Raises ``ValueError`` with a clear message for bad input; the engine and
+        the requests already queued are unaffected."""
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(x) for x in prompt]
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = next((x for x in ids if not 0 <= x < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} "
+                "(max_model_len): prompt plus at least one generated token must fit"
+            )
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_total = self.max_model_len if params.max_tokens is None else min(self.max_model_len,
+                                                                            len(ids) + params.max_tokens)
+        req = Request(rid, text, ids, params, max_total, self.model_config.eos_token_ids)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            req.finish("abort")
+            self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    # ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that produced tokens."""
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        sampled = self.runner.execute(batch)
+        outputs = []
+        for req in self.scheduler.update(batch, sampled):
+            new_ids = req.token_ids[-1:]
+            delta = self._detokenize(req, new_ids)
+            if req.finished:
+                self.scheduler.finish(req)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req, delta, new_ids))
+        return outputs
+
+    def _detokenize(self, req: Request, new_ids: list[int]) -> str:
+        """Extend the request's text and apply stop strings (cutting the text, finishing the request)."""
+        piece = req.detokenizer.add(new_ids)
+        if not piece:
+            return ""
+        before = len(req.output_text)
+        req.output_text += piece
+        stops = req.params.stop
+        if stops and req.finish_reason != "stop":
+            longest = max(len(s) for s in stops)
+            search_from = max(0, before - longest + 1)
+            hits = [(idx, s) for s in stops if (idx := req.output_text.find(s, search_from)) >= 0]
+            if hits:
+                idx, s = min(hits)
+                end = idx + len(s) if req.params.include_stop_str_in_output else idx
+                req.output_text = req.output_text[:end]
+                if not req.finished:
+                    req.finish("stop", s)
+                else:
+                    req.finish_reason, req.stop_reason = "stop", s
+        return req.output_text[before:]
+
+    @staticmethod
+    def _output(req: Request, delta: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
+            outputs=[CompletionOutput(0, req.output_text, req.output_token_ids, req.finish_reason, req.stop_reason)],
+            finished=req.finished, metrics=req.metrics, delta_text=delta, delta_token_ids=list(delta_ids or []),
+        )

@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama incl. llama3 RoPE scaling, Mistral, Qwen2, Qwen3, SmolLM2).
+
+Weights are stored fused (qkv, gate+up); :meth:`LlamaForCausalLM.load_weights` takes tensors under
+their Hugging Face names, so every loader (safetensors folder, GGUF) only has to produce those.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.models.attention import AttentionMetadata, paged_attention, write_kv
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.scale = self.d ** -0.5
+
+    def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache):
+        """x [T, H]; positions [T] -> [T, H]."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.view(t, self.hq, self.d)
+        k = k.view(t, self.hkv, self.d)
+        v = v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.hq * self.d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, x, residual, positions, meta, k_cache, v_cache):
+        """Returns (layer output before the residual add, residual); their sum is the stream."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, meta, k_cache, v_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The target model. ``forward`` returns final (normed) hidden states and, when asked, the
+    residual-stream outputs of chosen layers (EAGLE-3 auxiliary hidden states)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = rope
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [T]; positions [T] -> (hidden [T, H] after the final norm, aux [T, H] per aux layer).
+
+        ``aux_layers`` are layer indices whose output (residual stream after the layer) is returned;
+        with none asked, no extra tensor is materialised.
+        """
+        x = self.embed_tokens(input_ids)
+        residual = None
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, meta, *kv_caches[i])
+            if i in aux_layers:
+                aux.append(x + residual)
+        x, _ = self.norm(x, residual)
+        return x, aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    # ----------------------------------------------------------------------------------------------
+    # weight loading
+
+    _STACKED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _expected_names(self) -> set[str]:
+        """Hugging Face tensor names this model needs."""
+        cfg = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not cfg.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names |= {p + n for n in (
+                "input_layernorm.weight", "post_attention_layernorm.weight",
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+            if cfg.attention_bias:
+                names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
+            if cfg.mlp_bias:
+                names |= {p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")}
+            if cfg.qk_norm:
+                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Copy tensors given under Hugging Face names into the fused parameters.
+
+        Raises ``ValueError`` naming the tensor when one is missing or has the wrong shape.
+        Unknown extra tensors (e.g. rotary caches, MTP layers) are ignored.
+        """
+        cfg = self.config
+        params = dict(self.named_parameters())
+        expected = self._expected_names()
+        seen: set[str] = set()
+        hd = cfg.head_dim
+        split_sizes = {
+            "qkv_proj": [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd],
+            "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+        }
+        for name, tensor in weights:
+            if name not in expected:
+                continue
+            seen.add(name)
+            local = name[len("model."):] if name.startswith("model.") else name
+            m = re.match(r"(layers\.\d+\.(?:self_attn|mlp)\.)(\w+)_proj\.(weight|bias)$", local)
+            if m and m.group(2) + "_proj" in self._STACKED:
+                fused, shard = self._STACKED[m.group(2) + "_proj"]
+                target = params[m.group(1) + fused + "." + m.group(3)]
+                sizes = split_sizes[fused]
+                start = sum(sizes[:shard])
+                part = target.data.narrow(0, start, sizes[shard])
+                _copy_checked(part, tensor, name, source)
+            else:
+                _copy_checked(params[local].data, tensor, name, source)
+        missing = sorted(expected - seen)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"{source}: missing tensor {missing[0]!r}{more}")
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str, source: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(src.to(dst.dtype))

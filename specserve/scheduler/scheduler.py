@@ -1,0 +1,128 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every request is scheduled the same way: it needs ``num_tokens - num_computed_tokens`` tokens of
+compute (a whole prompt, a chunk of one, or a single decode token) and gets as many as the step's
+token budget allows. A request samples a token in a step only when the step finishes its tokens, so a
+non-final prefill chunk samples nothing. Running requests go first (oldest first), then waiting ones;
+when the pool cannot hold the next slots, the newest running request is preempted: its blocks are
+freed and it goes back to the front of the queue to recompute prompt + output so far.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.cache.kv_cache import BlockPool
+from specserve.config import SchedulerConfig
+from specserve.core.request import Request, RequestStatus
+
+log = logging.getLogger("specserve")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step (= num_computed_tokens before the step)
+    num_tokens: int  # tokens computed this step
+    sample: bool  # the step reaches the end of the request's tokens and samples the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, num_lookahead_slots: int = 0) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        # Slots reserved beyond a sampling request's tokens (speculative drafts need 1 + D).
+        self.num_lookahead_slots = num_lookahead_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _slots(self, req: Request, n: int) -> int:
+        end = req.num_computed_tokens + n
+        return end + (self.num_lookahead_slots if end == req.num_tokens else 0)
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self.pool.reserve(req.block_ids, self._slots(req, n))
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
+                                                      req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing newer can run either
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
+                    break
+                self.waiting.popleft()
+                self.pool.reserve(req.block_ids, self._slots(req, n))
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
+                                                      req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Apply a step's results: advance computed counts, append sampled tokens (in order of the
+        sampling requests), and free finished requests. Returns the requests that got new tokens."""
+        it = iter(sampled)
+        touched = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_tokens
+            if s.sample:
+                req.append_token(next(it))
+                touched.append(req)
+        return touched
+
+    def finish(self, req: Request) -> None:
+        """Release a finished (or aborted) request's blocks and drop it from the queues."""
+        self.pool.free(req.block_ids)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

@@ -1,0 +1,86 @@
+"""Tokenizer, chat template and incremental detokenization (on top of Hugging Face tokenizers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+
+class Tokenizer:
+    """Wraps a Hugging Face fast tokenizer loaded from a model folder or from GGUF metadata."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise ValueError(f"{folder}: no tokenizer files (tokenizer.json or tokenizer.model)")
+        return cls(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> "Tokenizer":
+        """Builds the tokenizer (vocabulary, merges, special tokens, chat template) from GGUF metadata."""
+        import logging
+
+        from transformers import AutoTokenizer
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
+        return cls(tok)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text))
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        ids = self.hf.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas.
+
+    Tokens are decoded in a short sliding window (``prefix`` .. end) and only the text beyond what the
+    window's prefix decoded to is new; text ending in an incomplete UTF-8 sequence (U+FFFD) is held
+    back until the next token completes it. Cost per token is constant, not quadratic.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-4:])  # a little prompt context for leading spaces
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append tokens; returns the newly completed text."""
+        delta = ""
+        for tid in new_ids:
+            self.ids.append(tid)
+            prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+            full = self.tok.decode(self.ids[self.prefix:], self.skip)
+            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+                piece = full[len(prefix_text):]
+                delta += piece
+                self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
