@@ -51,6 +51,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+    o_proj_bias: bool = False  # bias on o_proj (Llama/Qwen3 with ``attention_bias``; never Qwen2)
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None = None
@@ -113,6 +114,11 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         sliding = cfg.get("sliding_window")
+        # transformers: Qwen2 always has q/k/v biases and no o_proj bias, Mistral none; Llama and Qwen3
+        # put ``attention_bias`` on q/k/v *and* o_proj.
+        bias = bool(cfg.get("attention_bias", False))
+        qkv_bias = {"qwen2": True, "mistral": False}.get(family, bias)
+        o_bias = bias if family in ("llama", "qwen3") else False
         if family == "qwen2" or family == "qwen3":
             sliding = sliding if cfg.get("use_sliding_window", False) else None
         return cls(
@@ -129,7 +135,8 @@ class ModelConfig:
             rope_scaling=rs,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             sliding_window=int(sliding) if sliding else None,

@@ -84,3 +84,12 @@ class IncrementalDetokenizer:
                 self.prefix, self.read = self.read, len(self.ids)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the end of generation: release held-back text, incomplete characters included."""
+        full = self.tok.decode(self.ids[self.prefix:], self.skip)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        piece = full[len(prefix_text):]
+        self.prefix = self.read = len(self.ids)
+        self.text += piece
+        return piece

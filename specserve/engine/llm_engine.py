@@ -137,6 +137,8 @@ class LLMEngine:
     def _detokenize(self, req: Request, new_ids: list[int]) -> str:
         """Extend the request's text and apply stop strings (cutting the text, finishing the request)."""
         piece = req.detokenizer.add(new_ids)
+        if req.finished:
+            piece += req.detokenizer.flush()
         if not piece:
             return ""
         before = len(req.output_text)

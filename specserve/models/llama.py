@@ -22,7 +22,7 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
@@ -127,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
             if cfg.attention_bias:
                 names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
+            if cfg.o_proj_bias:
+                names.add(p + "self_attn.o_proj.bias")
             if cfg.mlp_bias:
                 names |= {p + f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")}
             if cfg.qk_norm:

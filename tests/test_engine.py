@@ -1,0 +1,266 @@
+"""Engine behaviour on a tiny random Llama: batching, chunked prefill, preemption, sampling, stops, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from tiny_models import make_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens",
+    "def main(): return 42",
+    "Paged attention keeps keys and values in blocks. Hello world! 0123456789 and more text here",
+    "fox",
+    "tabs\tand newlines\n and code",
+    "The target verifies them. The quick brown fox",
+    "0123456789 0123456789 0123456789",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    make_hf_model(d, "llama", initializer_range=0.4, num_hidden_layers=2)
+    return str(d)
+
+
+def make_llm(model_dir, **kw) -> LLM:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")
+    return LLM(model_dir, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return make_llm(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy outputs produced one request at a time, whole prompt in one step."""
+    return [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    pool = llm.engine.pool
+    assert pool.num_free == pool.num_usable
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_batched_equals_single(llm, reference, batch):
+    outs = llm.generate(PROMPTS[:batch], GREEDY)
+    assert [o.token_ids for o in outs] == reference[:batch]
+    assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("budget", [3, 7, 16, 33])
+def test_chunked_prefill_equals_single(model_dir, reference, budget):
+    # budgets 3 and 7 divide none of the prompts evenly; 16 divides some; all force chunking
+    llm = make_llm(model_dir, max_num_batched_tokens=budget)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_by_recompute(model_dir, reference):
+    # 24 blocks of 4 tokens: far too few for 8 requests of ~40 tokens, so requests get preempted
+    llm = make_llm(model_dir, block_size=4, num_kv_blocks=24, max_num_batched_tokens=13)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == reference
+    assert_all_blocks_free(llm)
+
+
+def test_max_num_seqs_limits_running(model_dir, reference):
+    llm = make_llm(model_dir, max_num_seqs=2)
+    eng = llm.engine
+    for p in PROMPTS:
+        eng.add_request(p, GREEDY)
+    most = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        most = max(most, len(eng.scheduler.running))
+    assert most == 2
+    assert_all_blocks_free(llm)
+
+
+def test_prompt_token_ids_and_dict_prompts(llm, reference):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    a = llm.generate([ids], GREEDY)[0]
+    b = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    assert a.token_ids == b.token_ids == reference[0]
+    assert a.prompt_token_ids == ids
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_preemption(model_dir):
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    llm = make_llm(model_dir)
+    alone = llm.generate(PROMPTS[1], sp)[0].token_ids
+    others = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(7)]
+    mixed = llm.generate(PROMPTS, [others[0], sp] + others[1:])[1].token_ids
+    tiny = make_llm(model_dir, block_size=4, num_kv_blocks=24, max_num_batched_tokens=5)
+    preempted = tiny.generate(PROMPTS, [others[0], sp] + others[1:])
+    assert alone == mixed == preempted[1].token_ids
+    assert sum(o.metrics.num_preemptions for o in preempted) > 0
+    # a different seed gives a different sample, and sampling differs from greedy
+    other_seed = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=99, max_tokens=20,
+                                                         ignore_eos=True))[0].token_ids
+    greedy = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    assert alone != other_seed and alone != greedy
+
+
+def test_top_k_one_is_greedy_and_mixed_params_share_a_step(llm, reference):
+    params = [SamplingParams(temperature=1.3, top_k=1, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    params += [SamplingParams(temperature=0.9, min_p=1.0, seed=7, max_tokens=24, ignore_eos=True)]  # keeps only top-1
+    params += [GREEDY, SamplingParams(temperature=2.0, top_p=0.5, seed=3, max_tokens=24, ignore_eos=True), GREEDY]
+    outs = llm.generate(PROMPTS, params)
+    for i in (0, 1, 2, 3, 4, 5, 7):
+        assert outs[i].token_ids == reference[i]
+
+
+# ---------------------------------------------------------------------------------------------
+# stopping
+
+
+def test_stop_token_ids_max_tokens_and_eos(llm, reference):
+    ref = reference[2]
+    stop_tok = ref[5]
+    first = ref.index(stop_tok)
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == ref[:first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert out.token_ids == ref[:7] and out.finish_reason == "length"
+
+    eng = llm.engine
+    saved = eng.model_config.eos_token_ids
+    try:
+        eng.model_config.eos_token_ids = (stop_tok,)
+        out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24))[0]
+        assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+        assert out.outputs[0].stop_reason is None
+        out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+        assert out.token_ids == ref
+    finally:
+        eng.model_config.eos_token_ids = saved
+    assert_all_blocks_free(llm)
+
+
+def test_stop_strings(llm):
+    full = llm.generate(PROMPTS[3], GREEDY)[0]
+    text = full.text
+    assert len(text) > 12
+    stop = text[6:10]
+    first = text.index(stop)
+    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, stop=[stop, "\x00never"]))[0]
+    assert out.text == text[:first]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert len(out.token_ids) < len(full.token_ids)
+    kept = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, stop=stop,
+                                                   include_stop_str_in_output=True))[0]
+    assert kept.text == text[:first + len(stop)]
+
+
+def test_incremental_text_matches_full_decode(llm):
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True)
+                                  for i in range(len(PROMPTS))])
+    for o in outs:
+        assert o.text == llm.tokenizer.decode(o.token_ids)
+
+
+def test_streaming_deltas_concatenate_to_text(llm):
+    eng = llm.engine
+    rid = eng.add_request(PROMPTS[0], GREEDY)
+    deltas, ids, final = [], [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id == rid
+            deltas.append(out.delta_text)
+            ids += out.delta_token_ids
+            final = out
+    assert "".join(deltas) == final.text and ids == final.token_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", GREEDY, "prompt is empty"),
+    ([], GREEDY, "prompt is empty"),
+    ([1, 2, 10**6], GREEDY, "outside the vocabulary"),
+    ([5] * 600, GREEDY, "context"),
+])
+def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm, reference, prompt, params, message):
+    eng = llm.engine
+    good = eng.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match=message):
+        eng.add_request(prompt, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[good].token_ids == reference[0]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop=[""]), "stop"),
+])
+def test_invalid_sampling_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_generate_reports_errors_per_prompt_without_losing_others(llm, reference):
+    outs = llm.generate([PROMPTS[0], "", PROMPTS[2]], GREEDY, raise_on_error=False)
+    assert outs[0].token_ids == reference[0] and outs[2].token_ids == reference[2]
+    assert outs[1].finish_reason == "error" and "empty" in outs[1].error
+    with pytest.raises(ValueError, match="prompt 1: prompt is empty"):
+        llm.generate([PROMPTS[0], ""], GREEDY)
+    assert_all_blocks_free(llm)
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    rid = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    keep = eng.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert eng.pool.num_free < eng.pool.num_usable
+    eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert keep not in eng.requests
+    assert_all_blocks_free(llm)
+
+
+def test_chat_applies_template(llm):
+    msgs = [{"role": "user", "content": "Hello world"}]
+    out = llm.chat(msgs, GREEDY)[0]
+    expected = llm.tokenizer.encode("<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n")
+    assert out.prompt_token_ids == expected
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "x"}])
+
+
+def test_unknown_llm_argument(model_dir):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(model_dir, max_num_seq=3)

@@ -1,0 +1,561 @@
+"""Model correctness against transformers: HF folders (every architecture, sharded checkpoints),
+GGUF files (F32 and quantized, with llama.cpp's q/k permutation), auxiliary hidden states, tokenizers
+from GGUF metadata, and the loaders' error messages.
+
+All models are tiny random ones written in the real formats by ``tiny_models``; everything runs in
+float32 on the CPU and is compared with tight tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.core.request import Request
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from tiny_models import make_hf_model, write_gguf
+
+ATOL = 1e-4
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+PROMPT_LEN = 45  # spans three KV blocks of 16
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def load_llm(path) -> LLM:
+    # A small explicit pool: the CPU default would allocate 2 GiB of KV cache per engine.
+    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16)
+
+
+def prompt_ids(vocab_size: int, n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+
+def specserve_forward(llm: LLM, ids: list[int], chunks: tuple[int, ...] | None = None, aux_layers=()):
+    """Prefill ``ids`` through specserve's runner and model (in ``chunks`` of the given sizes, one step
+    each). Returns (logits [n_last_chunk, V] of the last step's tokens, aux of the last step)."""
+    eng = llm.engine
+    chunks = chunks or (len(ids),)
+    assert sum(chunks) == len(ids)
+    req = Request("x", None, ids, SamplingParams(temperature=0), 500, ())
+    eng.pool.reserve(req.block_ids, len(ids))
+    try:
+        start = 0
+        with torch.inference_mode():
+            for i, n in enumerate(chunks):
+                last = i == len(chunks) - 1
+                inp = eng.runner.prepare(SchedulerOutput([ScheduledRequest(req, start, n, last)]))
+                h, aux = eng.model(inp.input_ids, inp.positions, inp.meta, eng.runner.kv_views,
+                                   aux_layers=aux_layers if last else ())
+                start += n
+            logits = eng.model.compute_logits(h)
+    finally:
+        eng.pool.free(req.block_ids)
+    return logits, aux
+
+
+def hf_forward(model, ids: list[int], hidden_states: bool = False):
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=hidden_states)
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL) -> None:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    diff = (actual.float() - expected.float()).abs().max().item()
+    assert diff < atol, f"max abs diff {diff:.3g} >= {atol}"
+
+
+def cosine_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+class _Cache:
+    """Builds each tiny model (and its specserve engine) once per module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.models: dict[str, tuple[Path, object]] = {}
+        self.llms: dict[str, LLM] = {}
+
+    def hf(self, arch: str):
+        if arch not in self.models:
+            folder = self.root / arch
+            self.models[arch] = (folder, make_hf_model(folder, arch, seed=ARCHS.index(arch)))
+        return self.models[arch]
+
+    def llm(self, arch: str) -> LLM:
+        if arch not in self.llms:
+            self.llms[arch] = load_llm(self.hf(arch)[0])
+        return self.llms[arch]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _Cache(tmp_path_factory.mktemp("models"))
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. HF folders: logits equal transformers
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(models, arch):
+    folder, hf = models.hf(arch)
+    llm = models.llm(arch)
+    cfg = llm.engine.model_config
+    # the config features each architecture is here to exercise really reached the model
+    if arch == "llama3":
+        assert cfg.rope_scaling.rope_type == "llama3"
+    if arch == "qwen2":
+        assert cfg.attention_bias and not cfg.qk_norm
+    if arch == "qwen3":
+        assert cfg.qk_norm and cfg.tie_word_embeddings and cfg.head_dim == 32 != cfg.hidden_size // 4
+        assert llm.engine.model.lm_head is None
+    ids = prompt_ids(cfg.vocab_size)
+    logits, aux = specserve_forward(llm, ids)
+    assert aux == []
+    expected = hf_forward(hf, ids).logits[0]
+    assert_close(logits, expected)
+    assert expected.abs().max() > 1e-2  # the comparison is not between two near-zero tensors
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_matches_transformers(models, arch):
+    _, hf = models.hf(arch)
+    llm = models.llm(arch)
+    ids = prompt_ids(llm.engine.model_config.vocab_size, seed=2)
+    n = len(ids)
+    logits, _ = specserve_forward(llm, ids, chunks=(20, n - 20))
+    expected = hf_forward(hf, ids).logits[0]
+    assert logits.shape[0] == n - 20
+    assert_close(logits[-1], expected[-1])
+    assert_close(logits, expected[20:])  # every position of the second chunk
+
+
+def test_llama_attention_bias_matches_transformers(tmp_path):
+    """Llama (and Qwen3) with ``attention_bias: true`` has biases on q, k, v *and* o_proj."""
+    folder = tmp_path / "llama_bias"
+    hf = make_hf_model(folder, "llama", seed=11, attention_bias=True)
+    assert any(n.endswith("o_proj.bias") for n, _ in hf.named_parameters())
+    llm = load_llm(folder)
+    ids = prompt_ids(llm.engine.model_config.vocab_size)
+    logits, _ = specserve_forward(llm, ids)
+    assert_close(logits, hf_forward(hf, ids).logits[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. auxiliary hidden states (EAGLE-3 inputs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_aux_hidden_states_match_transformers(models, arch):
+    _, hf = models.hf(arch)
+    llm = models.llm(arch)
+    ids = prompt_ids(llm.engine.model_config.vocab_size, seed=3)
+    logits, aux = specserve_forward(llm, ids, aux_layers=(0, 2))
+    out = hf_forward(hf, ids, hidden_states=True)
+    # HF's hidden_states[0] is the embedding and [i + 1] the output of layer i (the last one post-norm)
+    assert len(aux) == 2
+    assert_close(aux[0], out.hidden_states[1][0])
+    assert_close(aux[1], out.hidden_states[3][0])
+    assert not torch.allclose(aux[0], aux[1])
+    assert_close(logits, out.logits[0])  # asking for aux states does not change the logits
+    _, none = specserve_forward(llm, ids)
+    assert none == []
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. sharded checkpoints
+
+
+def test_sharded_checkpoint(tmp_path):
+    folder = tmp_path / "sharded"
+    hf = make_hf_model(folder, "qwen2", seed=5, shards=3)
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) > 1
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == len(shards)
+    llm = load_llm(folder)
+    ids = prompt_ids(llm.engine.model_config.vocab_size)
+    logits, _ = specserve_forward(llm, ids)
+    assert_close(logits, hf_forward(hf, ids).logits[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. GGUF (F32): same logits as the original model, tokenizer and chat template from the metadata
+
+
+@pytest.fixture(scope="module")
+def gguf_models(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for arch, garch in GGUF_ARCH.items():
+        folder, hf = models.hf(arch)
+        path = root / f"{arch}.gguf"
+        write_gguf(path, folder, hf, arch=garch, qtype="F32")
+        out[arch] = (path, load_llm(path))
+    return out
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+def test_gguf_logits_match_transformers(models, gguf_models, arch):
+    _, hf = models.hf(arch)
+    path, llm = gguf_models[arch]
+    cfg, ref_cfg = llm.engine.model_config, models.llm(arch).engine.model_config
+    for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+                  "tie_word_embeddings", "attention_bias", "qk_norm"):
+        assert getattr(cfg, field) == pytest.approx(getattr(ref_cfg, field), rel=1e-6), field  # GGUF floats are f32
+    ids = prompt_ids(cfg.vocab_size)
+    logits, _ = specserve_forward(llm, ids)
+    assert_close(logits, hf_forward(hf, ids).logits[0])
+    # the chunked path reads the same weights through the KV cache
+    chunked, _ = specserve_forward(llm, ids, chunks=(20, len(ids) - 20))
+    assert_close(chunked, logits[20:])
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+def test_gguf_tokenizer_matches_folder(models, gguf_models, arch):
+    from transformers import AutoTokenizer
+
+    folder, _ = models.hf(arch)
+    _, llm = gguf_models[arch]
+    ref = AutoTokenizer.from_pretrained(str(folder))
+    tok = llm.tokenizer
+    for text in ["Hello world!", "The quick brown fox jumps over the lazy dog.", "def main(): return 42\n\tx",
+                 "<|im_start|>user\nhi<|im_end|>", "unseen wørds ✓ 你好"]:
+        assert tok.encode(text) == list(ref.encode(text)), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == ref.decode(ref.encode(text))
+    assert tok.eos_token_id == ref.eos_token_id == ref.convert_tokens_to_ids("<|im_end|>")
+    assert llm.engine.model_config.eos_token_ids == (ref.eos_token_id,)
+    msgs = [{"role": "user", "content": "hi"}]
+    expected = ref.encode(ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    got = tok.apply_chat_template(msgs)
+    assert got == list(expected)
+    assert got == models.llm(arch).tokenizer.apply_chat_template(msgs)
+    assert tok.decode(got, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. GGUF quantized types
+#
+# transformers' GGUF loader dequantizes with the same ``gguf.quants.dequantize`` that specserve uses,
+# so it is an independent reference for GGUF naming, config and q/k un-permutation but not for the
+# dequantization itself. For that, each type is also compared with a reference built here: the HF
+# model whose 2-D weights are replaced by an independent numpy decoding of the quantized blocks
+# (written from the llama.cpp block layouts). gguf-py cannot quantize K-quants, so Q4_K and Q6_K
+# blocks are produced by the small quantizers below, which return their own reconstruction.
+
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "F16", "BF16"]
+QK_K = 256
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def quantize_q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, cols] (cols % 256 == 0) -> (Q6_K blocks as uint8 [rows, cols/256*210], reconstruction)."""
+    rows, cols = x.shape
+    xb = x.reshape(-1, QK_K // 16, 16).astype(np.float32)  # blocks x 16 sub-blocks x 16
+    nb = xb.shape[0]
+    sub = np.abs(xb).max(-1) / 31.0  # per sub-block scale
+    d = _f16(sub.max(-1) / 127.0)  # [nb]
+    sc = np.where(d[:, None] > 0, np.round(sub / np.where(d > 0, d, 1)[:, None]), 0).clip(-128, 127)
+    step = (d[:, None] * sc)[..., None]  # [nb, 16, 1]
+    q = np.where(step > 0, np.round(xb / np.where(step > 0, step, 1)), 0).clip(-32, 31)
+    recon = (d[:, None] * sc.astype(np.float32)).reshape(nb, 16, 1) * q
+    u = (q + 32).astype(np.uint8).reshape(nb, QK_K)
+    low, high = u & 0x0F, u >> 4
+    lo = low.reshape(nb, 2, 2, 64)
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)
+    hi = high.reshape(nb, 2, 4, 32)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+    blocks = np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8),
+                             d.astype(np.float16).view(np.uint8).reshape(nb, 2)], axis=1)
+    return blocks.reshape(rows, -1), recon.reshape(rows, cols).astype(np.float32)
+
+
+def quantize_q4_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, cols] (cols % 256 == 0) -> (Q4_K blocks as uint8 [rows, cols/256*144], reconstruction)."""
+    rows, cols = x.shape
+    xb = x.reshape(-1, 8, 32).astype(np.float32)  # blocks x 8 sub-blocks x 32
+    nb = xb.shape[0]
+    lo = np.minimum(xb.min(-1), 0.0)
+    scale = (xb.max(-1) - lo) / 15.0
+    mins = -lo
+    d, dmin = _f16(scale.max(-1) / 63.0), _f16(mins.max(-1) / 63.0)
+    sc = np.where(d[:, None] > 0, np.round(scale / np.where(d > 0, d, 1)[:, None]), 0).clip(0, 63)
+    m = np.where(dmin[:, None] > 0, np.round(mins / np.where(dmin > 0, dmin, 1)[:, None]), 0).clip(0, 63)
+    step = (d[:, None] * sc.astype(np.float32))[..., None]
+    off = (dmin[:, None] * m.astype(np.float32))[..., None]
+    q = np.where(step > 0, np.round((xb + off) / np.where(step > 0, step, 1)), 0).clip(0, 15)
+    recon = step * q - off
+    sc8, m8 = sc.astype(np.uint8), m.astype(np.uint8)
+    packed = np.concatenate([
+        sc8[:, :4] | ((sc8[:, 4:] >> 4) << 6),
+        m8[:, :4] | ((m8[:, 4:] >> 4) << 6),
+        (sc8[:, 4:] & 0x0F) | ((m8[:, 4:] & 0x0F) << 4),
+    ], axis=1)
+    qq = q.astype(np.uint8).reshape(nb, 4, 2, 32)
+    qs = (qq[:, :, 0] | (qq[:, :, 1] << 4)).reshape(nb, 128)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(nb, 2),
+                             dmin.astype(np.float16).view(np.uint8).reshape(nb, 2), packed, qs], axis=1)
+    return blocks.reshape(rows, -1), recon.reshape(rows, cols).astype(np.float32)
+
+
+_OWN_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
+def reference_dequantize(data: np.ndarray, qtype: str, cols: int) -> np.ndarray:
+    """Independent decoding of gguf-py's quantize() output (llama.cpp block layouts)."""
+    rows = data.shape[0]
+    if qtype == "F16":
+        return data.astype(np.float32)
+    if qtype == "BF16":
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, cols)
+    nb = rows * cols // 32
+    if qtype == "Q8_0":  # f16 d, 32 x int8
+        b = data.reshape(nb, 34)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        return (d * b[:, 2:].view(np.int8).astype(np.float32)).reshape(rows, cols)
+    if qtype in ("Q4_0", "Q4_1"):  # f16 d [, f16 m], 16 bytes: low nibbles = elements 0..15, high = 16..31
+        head = 2 if qtype == "Q4_0" else 4
+        b = data.reshape(nb, head + 16)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)
+        qs = b[:, head:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+        if qtype == "Q4_0":
+            return (d * (q - 8)).reshape(rows, cols)
+        m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        return (d * q + m).reshape(rows, cols)
+    raise AssertionError(qtype)
+
+
+@pytest.fixture(scope="module")
+def quant_base(tmp_path_factory):
+    """A llama whose every row length is a multiple of 256 (K-quant super-blocks), plus its F32 GGUF."""
+    root = tmp_path_factory.mktemp("quant")
+    folder = root / "hf"
+    hf = make_hf_model(folder, "llama", seed=7, hidden_size=256, intermediate_size=512)
+    f32 = root / "model-F32.gguf"
+    write_gguf(f32, folder, hf, arch="llama", qtype="F32")
+    ids = prompt_ids(hf.config.vocab_size, n=24, seed=4)
+    f32_logits, _ = specserve_forward(load_llm(f32), ids)
+    assert_close(f32_logits, hf_forward(hf, ids).logits[0])
+    return root, folder, hf, ids, f32_logits
+
+
+def _write_quantized(path: Path, folder: Path, hf, qtype: str) -> dict[str, np.ndarray]:
+    """write_gguf with ``qtype``; returns an independent reconstruction of every quantized weight
+    (HF name -> float32 array in HF layout)."""
+    import gguf.quants
+
+    recon: dict[str, np.ndarray] = {}
+    real_quantize = gguf.quants.quantize
+
+    def quantize(arr, qt):
+        if qtype in _OWN_QUANTIZERS:
+            blocks, _ = _OWN_QUANTIZERS[qtype](arr)
+            return blocks
+        return real_quantize(arr, qt)
+
+    # Quantization works row by row, and llama.cpp's q/k permutation only reorders rows, so the
+    # reconstruction of the unpermuted HF weight is the un-permuted reconstruction of the file's.
+    for name, t in hf.state_dict().items():
+        arr = t.float().numpy()
+        if arr.ndim != 2:
+            continue
+        if qtype in _OWN_QUANTIZERS:
+            recon[name] = _OWN_QUANTIZERS[qtype](arr)[1]
+        else:
+            import gguf
+
+            data = real_quantize(arr, getattr(gguf.GGMLQuantizationType, qtype))
+            recon[name] = reference_dequantize(np.asarray(data), qtype, arr.shape[1])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.quants, "quantize", quantize)
+        write_gguf(path, folder, hf, arch="llama", qtype=qtype)
+    return recon
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_quantized_matches_references(quant_base, qtype):
+    import copy
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    root, folder, hf, ids, f32_logits = quant_base
+    path = root / f"model-{qtype}.gguf"
+    recon = _write_quantized(path, folder, hf, qtype)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == qtype and types["output.weight"] == qtype
+    assert types["blk.0.attn_norm.weight"] == "F32"
+
+    llm = load_llm(path)
+    logits, _ = specserve_forward(llm, ids)
+
+    # (a) transformers' own GGUF loader
+    tf = AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name, dtype=torch.float32).eval()
+    assert_close(logits, hf_forward(tf, ids).logits[0])
+
+    # (b) the HF model with independently dequantized weights
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name in recon:
+                p.copy_(torch.from_numpy(recon[name]))
+    assert_close(logits, hf_forward(ref, ids).logits[0])
+    q_proj = llm.engine.model.layers[1].self_attn.qkv_proj.weight[: hf.config.hidden_size]
+    assert_close(q_proj, torch.from_numpy(recon["model.layers.1.self_attn.q_proj.weight"]), atol=1e-6)
+
+    # (c) quantization really changed the model, but not beyond recognition
+    assert (logits - f32_logits).abs().max() > 1e-5
+    assert cosine_rows(logits, f32_logits).min() > 0.9
+
+
+def test_own_k_quantizers_roundtrip():
+    """The test's K-quant writers agree with gguf-py's dequantizer (so files written with them are valid)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32) * 0.05
+    x[0, :40] += 0.3  # sub-blocks with only positive values (Q4_K min clamps at 0)
+    for name, fn in _OWN_QUANTIZERS.items():
+        blocks, recon = fn(x)
+        got = dequantize(blocks, getattr(gguf.GGMLQuantizationType, name)).reshape(x.shape)
+        np.testing.assert_allclose(got, recon, atol=1e-7, rtol=0)
+        assert np.abs(recon - x).max() < 0.05 * np.abs(x).max()
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. errors
+
+
+def _copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_error_unknown_architecture(models, tmp_path):
+    folder = _copy_folder(models.hf("llama")[0], tmp_path / "foo")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="FooForCausalLM"):
+        load_llm(folder)
+
+
+def _resave(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def test_error_missing_tensor(models, tmp_path):
+    folder = _copy_folder(models.hf("llama")[0], tmp_path / "missing")
+    name = "model.layers.2.mlp.up_proj.weight"
+    _resave(folder, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match="missing tensor") as e:
+        load_llm(folder)
+    assert name in str(e.value)
+
+
+def test_error_misshaped_tensor(models, tmp_path):
+    folder = _copy_folder(models.hf("qwen2")[0], tmp_path / "shape")
+    name = "model.layers.1.self_attn.k_proj.bias"
+
+    def edit(t):
+        assert tuple(t[name].shape) == (32,)
+        t[name] = torch.zeros(31)
+
+    _resave(folder, edit)
+    with pytest.raises(ValueError) as e:
+        load_llm(folder)
+    msg = str(e.value)
+    assert name in msg and "(31,)" in msg and "(32,)" in msg
+
+
+def test_error_sharded_index_names_missing_shard(tmp_path):
+    folder = tmp_path / "sharded"
+    make_hf_model(folder, "llama", shards=3)
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=shard.name):
+        load_llm(folder)
+
+
+def test_error_gguf_unsupported_quant_type(quant_base, monkeypatch):
+    import specserve.loaders.gguf_loader as gl
+
+    root, folder, hf, _, _ = quant_base
+    path = root / "model-Q8_0-unsupported.gguf"
+    write_gguf(path, folder, hf, arch="llama", qtype="Q8_0")
+    monkeypatch.setattr(gl, "SUPPORTED_QUANTS", tuple(q for q in gl.SUPPORTED_QUANTS if q != "Q8_0"))
+    with pytest.raises(ValueError, match="Q8_0") as e:
+        load_llm(path)
+    msg = str(e.value)
+    assert any(f"'{n}'" in msg for n in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight")), msg
+    assert str(path) in msg
+
+
+def test_error_gguf_unknown_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'gpt2'.*not supported"):
+        load_llm(path)
+
+
+def test_error_gguf_corrupt_file(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_llm(path)
+
+
+def test_error_model_path_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match="not found") as e:
+        load_llm(missing)
+    assert str(missing) in str(e.value)
+
+
+def test_error_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match=r"not a \.gguf file") as e:
+        load_llm(path)
+    assert "model.bin" in str(e.value)
+
+
+def test_error_folder_without_config(models, tmp_path):
+    folder = _copy_folder(models.hf("llama")[0], tmp_path / "noconfig")
+    (folder / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json") as e:
+        load_llm(folder)
+    assert str(folder) in str(e.value)

@@ -1,0 +1,71 @@
+"""Block pool and scheduler bookkeeping, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.cache.kv_cache import BlockPool
+from specserve.config import SchedulerConfig
+from specserve.core.request import Request
+from specserve.sampling_params import SamplingParams
+from specserve.scheduler.scheduler import Scheduler
+
+
+def req(rid: str, n_prompt: int, max_tokens: int = 8) -> Request:
+    return Request(rid, None, list(range(3, 3 + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                   10_000, ())
+
+
+def test_pool_reserve_free_and_reserved_padding_block():
+    pool = BlockPool(num_blocks=5, block_size=4)
+    blocks: list[int] = []
+    pool.reserve(blocks, 9)  # 3 blocks
+    assert len(blocks) == 3 and 0 not in blocks and pool.num_free == 1
+    pool.reserve(blocks, 12)  # still 3
+    assert len(blocks) == 3
+    assert not pool.can_reserve(blocks, 17)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.reserve(blocks, 17)
+    pool.free(blocks)
+    assert blocks == [] and pool.num_free == 4
+
+
+def test_chunked_prefill_and_decode_share_a_step():
+    pool = BlockPool(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=10), pool)
+    a, b = req("a", 3), req("b", 25)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
+        ("a", 0, 3, True), ("b", 0, 7, False)]
+    s.update(out, [100])
+    out = s.schedule()  # a decodes one token; b continues its prompt with the rest of the budget
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
+        ("a", 3, 1, True), ("b", 7, 9, False)]
+
+
+def test_lookahead_slots_are_reserved_for_sampling_requests():
+    pool = BlockPool(64, 4)
+    s = Scheduler(SchedulerConfig(), pool, num_lookahead_slots=5)
+    a = req("a", 8)
+    s.add(a)
+    s.schedule()
+    assert len(a.block_ids) == 4  # 8 prompt + 5 lookahead slots -> 13 -> 4 blocks
+
+
+def test_newest_request_is_preempted_and_requeued_first():
+    pool = BlockPool(5, 4)  # 4 usable blocks = 16 slots
+    s = Scheduler(SchedulerConfig(), pool)
+    a, b = req("a", 8), req("b", 8)
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule(), [1, 2])  # both prefilled: 8 tokens in 2 blocks each, pool full
+    assert pool.num_free == 0
+    out = s.schedule()  # a needs a 3rd block for token 9: b is preempted
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert out.preempted == [b] and b.num_computed_tokens == 0 and b.block_ids == []
+    assert s.waiting[0] is b and b.metrics.num_preemptions == 1
+    s.finish(a)
+    out = s.schedule()  # b recomputes prompt + its one output token, then samples
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [("b", 0, 9, True)]
