@@ -231,12 +231,21 @@ def test_gguf_tokenizer_matches_folder(models, gguf_models, arch):
 
     folder, _ = models.hf(arch)
     _, llm = gguf_models[arch]
+    from tokenizers import Tokenizer as RawTokenizer
+
     ref = AutoTokenizer.from_pretrained(str(folder))
+    raw = RawTokenizer.from_file(str(folder / "tokenizer.json"))  # exactly what the GGUF metadata encodes
     tok = llm.tokenizer
     for text in ["Hello world!", "The quick brown fox jumps over the lazy dog.", "def main(): return 42\n\tx",
-                 "<|im_start|>user\nhi<|im_end|>", "unseen wørds ✓ 你好"]:
-        assert tok.encode(text) == list(ref.encode(text)), text
-        assert tok.decode(tok.encode(text), skip_special_tokens=False) == ref.decode(ref.encode(text))
+                 "<|im_start|>user\nhi<|im_end|>", "unseen wørds ✓ 你好", "  spaces\n\n  and 0123456789"]:
+        ids = tok.encode(text)
+        assert ids == raw.encode(text).ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+        # transformers loads a folder whose model_type is qwen2 with Qwen2Tokenizer, which swaps in
+        # Qwen2's pre-tokenizer (digits split one by one); tiny_models.write_gguf records the folder's
+        # own tokenizer.json pre-tokenizer ('default'), so the two differ on digits for qwen2 only.
+        if not (arch == "qwen2" and any(c.isdigit() for c in text)):
+            assert ids == list(ref.encode(text)), text
     assert tok.eos_token_id == ref.eos_token_id == ref.convert_tokens_to_ids("<|im_end|>")
     assert llm.engine.model_config.eos_token_ids == (ref.eos_token_id,)
     msgs = [{"role": "user", "content": "hi"}]
@@ -424,7 +433,7 @@ def test_gguf_quantized_matches_references(quant_base, qtype):
     assert_close(q_proj, torch.from_numpy(recon["model.layers.1.self_attn.q_proj.weight"]), atol=1e-6)
 
     # (c) quantization really changed the model, but not beyond recognition
-    assert (logits - f32_logits).abs().max() > 1e-5
+    assert (logits - f32_logits).abs().max() > ATOL  # more than the equality checks above tolerate
     assert cosine_rows(logits, f32_logits).min() > 0.9
 
 

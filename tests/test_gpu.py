@@ -1,0 +1,57 @@
+"""CUDA runs (skipped without a GPU; run on the GPU machine: ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from tiny_models import make_hf_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "def main(): return 42", "fox"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_gpu")
+    make_hf_model(d, "llama", initializer_range=0.4, num_hidden_layers=2)
+    return str(d)
+
+
+def test_cuda_float32_matches_cpu(model_dir):
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cpu = LLM(model_dir, device="cpu", dtype="float32").generate(PROMPTS, sp)
+    gpu_llm = LLM(model_dir, device="cuda", dtype="float32", max_num_batched_tokens=7, kv_cache_memory_bytes=1 << 26)
+    gpu = gpu_llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    assert gpu_llm.engine.pool.num_free == gpu_llm.engine.pool.num_usable
+
+
+def test_cuda_seeded_sampling_matches_cpu(model_dir):
+    # the sampler's noise is integer hashing, so CPU and CUDA draw the same tokens from the same logits
+    sp = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    cpu = LLM(model_dir, device="cpu", dtype="float32").generate(PROMPTS[:2], sp)
+    gpu = LLM(model_dir, device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26).generate(PROMPTS[:2], sp)
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+
+
+def test_default_model_bf16_on_cuda():
+    path = os.environ.get("SPECSERVE_TEST_GGUF")
+    if path is None:
+        from specserve.loaders import default_model_path
+
+        try:
+            path = str(default_model_path())
+        except ValueError:
+            pytest.skip("default model not installed and SPECSERVE_TEST_GGUF not set")
+    assert Path(path).is_file()
+    llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 30)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=30))[0]
+    assert "Paris" in out.text
+    assert llm.engine.model.embed_tokens.weight.dtype == torch.bfloat16
