@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,12 +23,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument("--draft", default=None, help="draft head folder (EAGLE-3 or MTP layout); enables speculation")
+    sp.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"], help="draft head type")
+    sp.add_argument("--draft-len", type=int, default=4, help="drafts per step (D)")
+    sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
+                    help="MTP: run one module D times (default when the head has fewer modules than D)")
+    sp.add_argument("--forced-acceptance", type=int, default=None,
+                    help="accept exactly N drafts per step (performance experiments; output is NOT the model's)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
+    spec = None
+    if a.draft is not None:
+        spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len, forced_acceptance=a.forced_acceptance)
+        if a.mtp_eagle is not None:
+            spec["mtp_eagle"] = a.mtp_eagle
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization)
+                kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
+                speculative_config=spec)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--stats", action="store_true", help="print speed and speculation statistics to stderr")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
     return parser
 
@@ -64,7 +80,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                                 seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
                                 stop_token_ids=a.stop_token_ids or [], ignore_eos=a.ignore_eos)
         llm = LLM(model=a.model, **_engine_kwargs(a))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     tok = llm.tokenizer
@@ -77,7 +93,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         else:
             msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": p}]
             reqs.append({"prompt_token_ids": tok.apply_chat_template(msgs)})
+    t0 = time.perf_counter()
     outs = llm.generate(reqs, params, raise_on_error=False)
+    elapsed = time.perf_counter() - t0
     failed = 0
     for prompt, o in zip(prompts, outs):
         if o.error:
@@ -87,13 +105,22 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 print(json.dumps({"prompt": prompt, "error": o.error, "finish_reason": "error"}))
             continue
         if a.json:
-            print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason,
-                              "num_prompt_tokens": len(o.prompt_token_ids), "timings": o.timings()}))
+            obj = {"prompt": prompt, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                   "stop_reason": o.outputs[0].stop_reason, "num_prompt_tokens": len(o.prompt_token_ids),
+                   "timings": o.timings()}
+            if o.spec is not None:
+                obj["spec"] = o.spec.as_dict()
+            print(json.dumps(obj))
         else:
             print(o.text)
             if len(prompts) > 1:
                 print()
+    if a.stats:
+        n = sum(len(o.token_ids) for o in outs)
+        print(f"specserve: {len(outs) - failed} prompts, {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tokens/s)",
+              file=sys.stderr)
+        if llm.engine.spec_config is not None:
+            print(f"specserve: speculation: {llm.engine.spec_stats.summary()}", file=sys.stderr)
     return 1 if failed else 0
 
 

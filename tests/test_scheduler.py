@@ -8,7 +8,16 @@ from specserve.cache.kv_cache import BlockPool
 from specserve.config import SchedulerConfig
 from specserve.core.request import Request
 from specserve.sampling_params import SamplingParams
+from specserve.runner.model_runner import RowResult
 from specserve.scheduler.scheduler import Scheduler
+
+
+def apply(s: Scheduler, out, tokens: list[int]) -> None:
+    """What the engine does after a plain step: advance lengths, append each sampling row's token."""
+    it = iter(tokens)
+    results = [RowResult([next(it)] if e.sample else []) for e in out.scheduled]
+    for entry, res in s.update(out, results):
+        entry.request.append_token(res.tokens[0])
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 8) -> Request:
@@ -39,7 +48,7 @@ def test_chunked_prefill_and_decode_share_a_step():
     out = s.schedule()
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
         ("a", 0, 3, True), ("b", 0, 7, False)]
-    s.update(out, [100])
+    apply(s, out, [100])
     out = s.schedule()  # a decodes one token; b continues its prompt with the rest of the budget
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
         ("a", 3, 1, True), ("b", 7, 9, False)]
@@ -60,7 +69,7 @@ def test_newest_request_is_preempted_and_requeued_first():
     a, b = req("a", 8), req("b", 8)
     s.add(a)
     s.add(b)
-    s.update(s.schedule(), [1, 2])  # both prefilled: 8 tokens in 2 blocks each, pool full
+    apply(s, s.schedule(), [1, 2])  # both prefilled: 8 tokens in 2 blocks each, pool full
     assert pool.num_free == 0
     out = s.schedule()  # a needs a 3rd block for token 9: b is preempted
     assert [x.request.request_id for x in out.scheduled] == ["a"]
@@ -69,3 +78,20 @@ def test_newest_request_is_preempted_and_requeued_first():
     s.finish(a)
     out = s.schedule()  # b recomputes prompt + its one output token, then samples
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [("b", 0, 9, True)]
+
+
+def test_drafts_are_scheduled_for_verification_and_rejected_ones_dropped_by_length():
+    pool = BlockPool(64, 4)
+    s = Scheduler(SchedulerConfig(), pool, num_lookahead_slots=2)  # D = 3
+    a = req("a", 5)
+    s.add(a)
+    out = s.schedule()
+    for entry, _ in s.update(out, [RowResult([7], drafts=[8, 9, 10])]):
+        entry.request.append_token(7)
+    a.spec_token_ids = [8, 9, 10]
+    out = s.schedule()
+    e = out.scheduled[0]
+    assert (e.start, e.num_tokens, e.num_drafts, e.sample) == (5, 4, 3, True)
+    assert len(a.block_ids) == 3  # positions 5..8 verified + 2 draft-loop slots -> 11 slots
+    s.update(out, [RowResult([8, 42], num_drafts=3, num_accepted=1)])
+    assert a.num_computed_tokens == 7  # t=7 and the accepted draft 8; drafts 9, 10 rejected

@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from specserve.core.metrics import SpecStats
 from specserve.sampling_params import SamplingParams
 
 
@@ -58,6 +59,8 @@ class Request:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.spec_token_ids: list[int] = []  # drafts proposed by the last step, verified by the next
+        self.spec_stats = SpecStats()
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -120,6 +123,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    spec: SpecStats | None = None  # speculative-decoding counters (None when speculation is off)
     error: str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -142,3 +146,6 @@ class RequestOutput:
             return {}
         return {"ttft_s": m.ttft, "tpot_s": m.tpot(len(self.token_ids)), "e2e_s": m.e2e,
                 "num_preemptions": m.num_preemptions}
+
+    def spec_metrics(self) -> dict | None:
+        return None if self.spec is None else self.spec.as_dict()

@@ -10,11 +10,15 @@ import torch
 
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
 from specserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from specserve.core.metrics import SpecStats
 from specserve.core.request import CompletionOutput, Request, RequestOutput
 from specserve.loaders import load_model
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
+from specserve.spec.checkpoint import load_draft_head
+from specserve.spec.config import SpeculativeConfig
+from specserve.spec.worker import SpecDecodeRunner
 from specserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("specserve")
@@ -34,6 +38,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.8
     num_kv_blocks: int | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
 
 class LLMEngine:
@@ -48,24 +53,36 @@ class LLMEngine:
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         cfg = self.model_config
-        per_block = bytes_per_block(cfg.num_hidden_layers, args.block_size, cfg.num_key_value_heads,
-                                    cfg.head_dim, self.dtype)
+        self.spec_config = SpeculativeConfig.from_value(args.speculative_config)
+        self.head = None
+        if self.spec_config is not None:
+            self.head = load_draft_head(self.spec_config, self.model, self.device, self.dtype)
+        # one KV tensor: target layers, then the head's layers
+        kv_layers = cfg.num_hidden_layers + (self.head.num_kv_layers if self.head is not None else 0)
+        per_block = bytes_per_block(kv_layers, args.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         num_blocks = plan_num_blocks(self.cache_config, per_block, self.device)
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size, cfg.num_key_value_heads,
+        self.kv_cache = KVCache(kv_layers, num_blocks, args.block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, args.block_size)
         max_len = args.max_model_len or cfg.max_position_embeddings
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context of {cfg.max_position_embeddings}")
-        capacity = self.pool.num_usable * args.block_size
+        d = self.spec_config.max_draft_len if self.spec_config is not None else 0
+        capacity = self.pool.num_usable * args.block_size - 2 * d  # room for verify + draft slots
         if max_len > capacity:
             log.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d", capacity, max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                                   max_model_len=max_len), self.pool)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+                                                   max_model_len=max_len), self.pool,
+                                   num_lookahead_slots=max(0, d - 1))
+        if self.head is None:
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        else:
+            self.runner = SpecDecodeRunner(self.model, self.head, self.kv_cache, self.device, d,
+                                           self.spec_config.forced_acceptance)
+        self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -123,15 +140,26 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
-        sampled = self.runner.execute(batch)
+        results = self.runner.execute(batch)
         outputs = []
-        for req in self.scheduler.update(batch, sampled):
-            new_ids = req.token_ids[-1:]
-            delta = self._detokenize(req, new_ids)
+        for entry, res in self.scheduler.update(batch, results):
+            req = entry.request
+            appended, delta = [], ""
+            for tok in res.tokens:  # in order; nothing after the token that ends the request
+                req.append_token(tok)
+                appended.append(tok)
+                delta += self._detokenize(req, [tok])
+                if req.finished:
+                    break
+            # drafts that could only land past the request's last allowed token are not verified
+            room = max(0, req.max_total_tokens - req.num_tokens - 1)
+            req.spec_token_ids = [] if req.finished else res.drafts[:room]
+            req.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
+            self.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
             if req.finished:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
-            outputs.append(self._output(req, delta, new_ids))
+            outputs.append(self._output(req, delta, appended))
         return outputs
 
     def _detokenize(self, req: Request, new_ids: list[int]) -> str:
@@ -158,10 +186,10 @@ class LLMEngine:
                     req.finish_reason, req.stop_reason = "stop", s
         return req.output_text[before:]
 
-    @staticmethod
-    def _output(req: Request, delta: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
+    def _output(self, req: Request, delta: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.token_ids[:req.num_prompt_tokens],
             outputs=[CompletionOutput(0, req.output_text, req.output_token_ids, req.finish_reason, req.stop_reason)],
             finished=req.finished, metrics=req.metrics, delta_text=delta, delta_token_ids=list(delta_ids or []),
+            spec=req.spec_stats if self.spec_config is not None else None,
         )

@@ -18,10 +18,11 @@ from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, in_features: int | None = None) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        in_features = in_features or cfg.hidden_size  # EAGLE-3's layer attends over [embed, hidden] (2H)
+        self.qkv_proj = nn.Linear(in_features, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None

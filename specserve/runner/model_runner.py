@@ -7,7 +7,7 @@ sampled tokens come back in one copy at the end. Nothing in between reads a devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,16 @@ class _Staging:
 
 
 @dataclass
+class RowResult:
+    """What one scheduled request got from a step."""
+
+    tokens: list[int]  # emitted tokens, in order (empty when the row does not sample)
+    drafts: list[int] = field(default_factory=list)  # drafts to verify next step
+    num_drafts: int = 0  # drafts verified this step
+    num_accepted: int = 0  # of those, accepted
+
+
+@dataclass
 class StepInputs:
     """One step's device inputs (views into the staging buffers)."""
 
@@ -55,10 +65,13 @@ class StepInputs:
 
 
 class ModelRunner:
+    # block-table entries beyond a row's tokens that the step may write (the draft loop's positions)
+    table_lookahead = 0
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv_views = kv_cache.layer_views()
+        self.kv_views = kv_cache.layer_views()[:model.config.num_hidden_layers]
         self.device = device
         self.block_size = kv_cache.block_size
         self.vocab_size = model.config.vocab_size
@@ -72,7 +85,8 @@ class ModelRunner:
         b = len(sched)
         t = batch.total_tokens
         q = max(s.num_tokens for s in sched)
-        m = max(cdiv(s.start + s.num_tokens, bs) for s in sched)
+        la = self.table_lookahead
+        m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
         samplers = [s for s in sched if s.sample]
         ns = len(samplers)
         sizes = [t, t, t, t, b * m, b * q, b * q, ns, ns, ns, ns]
@@ -89,11 +103,13 @@ class ModelRunner:
             req, n = s.request, s.num_tokens
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             p = np.arange(s.start, s.start + n, dtype=np.int64)
-            ids[t0:t0 + n] = req.token_ids[s.start:s.start + n]
+            known = n - s.num_drafts
+            ids[t0:t0 + known] = req.token_ids[s.start:s.start + known]
+            ids[t0 + known:t0 + n] = req.spec_token_ids[:s.num_drafts]
             pos[t0:t0 + n] = p
             slots[t0:t0 + n] = blocks[p // bs] * bs + p % bs
             flat[t0:t0 + n] = i * q + np.arange(n)
-            nb = cdiv(s.start + n, bs)
+            nb = min(len(blocks), cdiv(s.start + n + la, bs))
             tables2[i, :nb] = blocks[:nb]
             qidx2[i, :n] = np.arange(t0, t0 + n)
             qpos2[i, :n] = p
@@ -127,11 +143,12 @@ class ModelRunner:
         return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> list[int]:
-        """Run one step; returns the sampled token of each sampling request, in schedule order."""
+    def execute(self, batch: SchedulerOutput) -> list[RowResult]:
+        """Run one step; returns one result per scheduled request, in schedule order."""
         inp = self.prepare(batch)
         hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views)
-        if inp.sampling is None:
-            return []
-        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
-        return sample(logits, inp.sampling).tolist()  # the step's one device -> host copy
+        tokens = iter([])
+        if inp.sampling is not None:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+            tokens = iter(sample(logits, inp.sampling).tolist())  # the step's one device -> host copy
+        return [RowResult([next(tokens)] if s.sample else []) for s in batch.scheduled]

@@ -25,8 +25,9 @@ log = logging.getLogger("specserve")
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (= num_computed_tokens before the step)
-    num_tokens: int  # tokens computed this step
-    sample: bool  # the step reaches the end of the request's tokens and samples the next one
+    num_tokens: int  # tokens computed this step (known tokens, then ``num_drafts`` drafts)
+    sample: bool  # the step reaches the end of the request's known tokens and samples the next one(s)
+    num_drafts: int = 0  # drafts of the previous step verified in this one
 
 
 @dataclass
@@ -61,11 +62,22 @@ class Scheduler:
 
     def _slots(self, req: Request, n: int) -> int:
         end = req.num_computed_tokens + n
-        return end + (self.num_lookahead_slots if end == req.num_tokens else 0)
+        return end + (self.num_lookahead_slots if end >= req.num_tokens else 0)
+
+    @staticmethod
+    def _need(req: Request) -> int:
+        """Tokens to compute: the known ones not yet in the KV cache, plus drafts to verify."""
+        return req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids)
+
+    @staticmethod
+    def _entry(req: Request, n: int) -> ScheduledRequest:
+        known = req.num_tokens - req.num_computed_tokens
+        return ScheduledRequest(req, req.num_computed_tokens, n, n >= known, max(0, n - known))
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -76,7 +88,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._need(req), budget)
             while not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -85,8 +97,7 @@ class Scheduler:
                     break
             else:
                 self.pool.reserve(req.block_ids, self._slots(req, n))
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
-                                                      req.num_computed_tokens + n == req.num_tokens))
+                out.scheduled.append(self._entry(req, n))
                 budget -= n
                 i += 1
                 continue
@@ -94,30 +105,28 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = min(self._need(req), budget)
                 if not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
                     break
                 self.waiting.popleft()
                 self.pool.reserve(req.block_ids, self._slots(req, n))
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
-                                                      req.num_computed_tokens + n == req.num_tokens))
+                out.scheduled.append(self._entry(req, n))
                 budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Apply a step's results: advance computed counts, append sampled tokens (in order of the
-        sampling requests), and free finished requests. Returns the requests that got new tokens."""
-        it = iter(sampled)
-        touched = []
-        for s in out.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_tokens
+    def update(self, out: SchedulerOutput, results: list) -> list[tuple[ScheduledRequest, object]]:
+        """Advance computed lengths from a step's results (one ``RowResult`` per scheduled request): the KV
+        of known tokens and accepted drafts becomes computed, and rejected drafts are dropped by length
+        alone (the next step overwrites their slots). Returns the (entry, result) pairs of the rows that
+        sampled, for the engine to append tokens in order."""
+        sampled = []
+        for s, r in zip(out.scheduled, results):
+            s.request.num_computed_tokens += s.num_tokens - s.num_drafts + r.num_accepted
             if s.sample:
-                req.append_token(next(it))
-                touched.append(req)
-        return touched
+                sampled.append((s, r))
+        return sampled
 
     def finish(self, req: Request) -> None:
         """Release a finished (or aborted) request's blocks and drop it from the queues."""

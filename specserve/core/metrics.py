@@ -1,0 +1,63 @@
+"""Speculative-decoding counters, per request and global (SPEC.md section 6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counts over verify steps (steps that checked at least one draft).
+
+    acceptance rate = accepted / drafted; acceptance length = emitted / verify steps (the bonus token
+    included, so 1.0 means no draft was ever accepted); per-position acceptance = how often draft j was
+    accepted when drafted.
+    """
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    num_emitted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        if num_drafts <= 0:
+            return
+        self.num_drafted += num_drafts
+        self.num_accepted += num_accepted
+        self.num_verify_steps += 1
+        self.num_emitted += num_emitted
+        grow = num_drafts - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for j in range(num_drafts):
+            self.drafted_per_pos[j] += 1
+            self.accepted_per_pos[j] += j < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.num_emitted / self.num_verify_steps if self.num_verify_steps else None
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def as_dict(self) -> dict:
+        return {"drafted": self.num_drafted, "accepted": self.num_accepted,
+                "verify_steps": self.num_verify_steps, "emitted": self.num_emitted,
+                "acceptance_rate": self.acceptance_rate, "acceptance_length": self.acceptance_length,
+                "per_position_acceptance": self.per_position}
+
+    def summary(self) -> str:
+        if not self.num_verify_steps:
+            return "speculation: no drafts verified"
+        pos = " ".join(f"{p:.2f}" for p in self.per_position)
+        return (f"drafted {self.num_drafted}, accepted {self.num_accepted} "
+                f"(rate {self.acceptance_rate:.2%}), acceptance length {self.acceptance_length:.2f} "
+                f"over {self.num_verify_steps} verify steps, per position [{pos}]")

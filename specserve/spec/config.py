@@ -1,0 +1,76 @@
+"""``SpeculativeConfig``: which draft head, how many drafts, and how they are accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("eagle3", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Settings of one-model speculative decoding.
+
+    Fields:
+      method: ``"eagle3"`` (an EAGLE-3 head on three target layers) or ``"mtp"`` (DeepSeek-style
+        multi-token-prediction modules on the target's final hidden state).
+      draft_model: folder holding the head (config.json + *.safetensors in the EAGLE-3 or MTP layout).
+      max_draft_len: D, drafts proposed per step (each step verifies D + 1 tokens).
+      eagle3_layers_to_capture: target layers whose *outputs* (residual stream after the layer) feed an
+        EAGLE-3 head. Default: ``(1, L//2 - 1, L - 4)``. Checkpoints from other tools store the
+        equivalent *input* layer ids (``eagle_aux_hidden_state_layer_ids``, default ``(2, L//2, L-3)``);
+        the loader converts them by subtracting one.
+      mtp_eagle: MTP only. True runs the first MTP module D times autoregressively (MTP-Eagle); False
+        runs module k at draft position k (vanilla, needs D <= number of modules). None picks
+        MTP-Eagle when the checkpoint has fewer modules than D, vanilla otherwise.
+      forced_acceptance: performance experiments only. Accept exactly this many drafts every step,
+        whatever they are. BREAKS LOSSLESSNESS: outputs are no longer the target's.
+
+    Later issues add tree drafting (``dynamic_tree_max_topK``, ``max_total_draft_tokens``), sampled and
+    relaxed acceptance, and a draft-length schedule; they become fields here.
+    """
+
+    method: str = "eagle3"
+    draft_model: str | None = None
+    max_draft_len: int = 4
+    eagle3_layers_to_capture: tuple[int, ...] | None = None
+    mtp_eagle: bool | None = None
+    forced_acceptance: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; use one of {METHODS}")
+        if not isinstance(self.max_draft_len, int) or not 1 <= self.max_draft_len <= 16:
+            raise ValueError(f"max_draft_len must be an integer in [1, 16], got {self.max_draft_len!r}")
+        if self.eagle3_layers_to_capture is not None:
+            layers = tuple(int(x) for x in self.eagle3_layers_to_capture)
+            if len(layers) != 3 or min(layers) < 0:
+                raise ValueError(f"eagle3_layers_to_capture needs three layer ids >= 0, got {layers}")
+            if self.method != "eagle3":
+                raise ValueError("eagle3_layers_to_capture applies to method='eagle3' only")
+            self.eagle3_layers_to_capture = layers
+        if self.mtp_eagle is not None and self.method != "mtp":
+            raise ValueError("mtp_eagle applies to method='mtp' only")
+        if self.forced_acceptance is not None and not 0 <= self.forced_acceptance <= self.max_draft_len:
+            raise ValueError(
+                f"forced_acceptance must be in [0, max_draft_len={self.max_draft_len}], got {self.forced_acceptance}"
+            )
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """Accept a config, a dict of its fields (vLLM style), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = set(cls.__dataclass_fields__)
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"unknown speculative_config fields {unknown}; known: {sorted(known)}")
+            return cls(**value)
+        raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """Outputs of layers 1, L//2-1 and L-4 (the inputs of layers 2, L//2, L-3), clamped for tiny models."""
+    top = num_layers - 1
+    return (min(1, top), min(max(0, num_layers // 2 - 1), top), max(0, num_layers - 4))

@@ -1,0 +1,245 @@
+"""Draft heads: strategy objects behind one interface. The worker never asks which head it has.
+
+A head differs from another only in (a) which target hidden states it takes (``aux_layers``,
+``first_hidden``) and (b) the module run per draft step (``run_module``, ``draft_ids``); the draft loop
+(``propose``) is shared by EAGLE-3 and MTP-Eagle, and vanilla MTP overrides it.
+
+Head input convention (all heads): at position ``i`` the head sees the target's hidden state at ``i``
+and the embedding of the token at ``i + 1``; its output predicts the token at ``i + 2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.models.attention import AttentionMetadata, build_mask
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from specserve.models.llama import Attention, DecoderLayer
+
+
+@dataclass
+class DraftInputs:
+    """Device tensors the draft loop reads after the target verified a step (B rows, T flat tokens)."""
+
+    ids_ext: torch.Tensor  # [B, W] int64: token at position row_first_pos + i (verify tokens, lookahead, bonus)
+    row_of_token: torch.Tensor  # [T] int64: row of each flat token
+    col_of_token: torch.Tensor  # [T] int64: index of each flat token within its row
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata  # the step's attention layout; the head writes its KV at the same slots
+    hidden: torch.Tensor  # [T, H] target final hidden states (after the final norm)
+    aux: list[torch.Tensor]  # [T, H] each: target aux hidden states (the head's aux_layers)
+    last_idx: torch.Tensor  # [B] int64: flat index of each row's last accepted token
+    last_col: torch.Tensor  # [B] int64: its index within the row
+    last_pos: torch.Tensor  # [B] int64: its position
+    block_tables: torch.Tensor  # [B, M] int64: covers each drafting row's positions up to last_pos + D - 1
+    draft_ok: torch.Tensor  # [B] bool: rows whose drafts are used (others write head KV to the pad slot)
+    block_size: int
+    num_drafts: int  # D
+    host_rows: list[Any] = field(default_factory=list)  # scheduled rows; for test heads only, never device heads
+
+
+class DraftHead(nn.Module):
+    """Base class. Subclasses set ``aux_layers``, ``num_kv_layers`` and implement the per-step pieces."""
+
+    aux_layers: tuple[int, ...] = ()
+    num_kv_layers: int = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._target: list[nn.Module] = []  # the bound target, kept out of this module's state_dict
+
+    def bind(self, target: nn.Module) -> "DraftHead":
+        """Share the target's embedding / lm_head / RoPE table."""
+        self._target[:] = [target]
+        return self
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        own = getattr(self, "embed_tokens", None)
+        return (own if own is not None else self.target.embed_tokens)(ids)
+
+    # --- per-step pieces ---------------------------------------------------------------------
+    def first_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """Target hidden states -> the head's step-0 hidden input [T, H]."""
+        raise NotImplementedError
+
+    def run_module(self, step: int, ids, positions, hidden, meta: AttentionMetadata, kv) -> torch.Tensor:
+        """One module pass for draft step ``step``; returns its pre-norm output [N, H]."""
+        raise NotImplementedError
+
+    def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
+        """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
+        raise NotImplementedError
+
+    def kv_layer(self, step: int) -> int:
+        return 0
+
+    # --- the draft loop (chain: step 0 over every verified token, then one-token steps) ----------
+    def step0(self, x: DraftInputs, kv: list) -> torch.Tensor:
+        ids = x.ids_ext[x.row_of_token, x.col_of_token + 1]  # [T]: token at position + 1
+        h = self.first_hidden(x.hidden, x.aux)
+        return self.run_module(0, ids, x.positions, h, x.meta, kv[self.kv_layer(0)])  # [T, H]
+
+    def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
+        """Returns drafts [B, D] (target ids)."""
+        last = self.step0(x, kv)[x.last_idx]  # [B, H]
+        tok = self.draft_ids(0, last)
+        drafts = [tok]
+        b = last.shape[0]
+        rows = torch.arange(b, device=last.device)
+        max_pos = self.target.rope.cos_cache.shape[0] - 1
+        m = x.block_tables.shape[1]
+        for k in range(1, x.num_drafts):
+            pos = torch.clamp(x.last_pos + k, max=max_pos)  # [B]
+            blk = x.block_tables[rows, torch.clamp(pos // x.block_size, max=m - 1)]
+            slot = torch.where(x.draft_ok, blk * x.block_size + pos % x.block_size, torch.zeros_like(pos))
+            meta = AttentionMetadata(slot_mapping=slot, block_tables=x.block_tables, query_index=rows[:, None],
+                                     flat_index=rows, mask=build_mask(pos[:, None], m * x.block_size,
+                                                                      self.target.config.sliding_window))
+            last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
+            tok = self.draft_ids(k, last)
+            drafts.append(tok)
+        return torch.stack(drafts, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over ``cat(input_layernorm(embed), hidden_norm(hidden))``."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(self, emb, hidden, positions, meta, k_cache, v_cache):
+        """emb, hidden [N, H] -> output stream [N, H] (pre final norm)."""
+        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+        x = self.self_attn(x, positions, meta, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm(x, hidden)
+        return self.mlp(x) + residual
+
+
+class Eagle3Head(DraftHead):
+    def __init__(self, cfg: ModelConfig, aux_layers: tuple[int, int, int], draft_vocab_size: int | None,
+                 own_embedding: bool = False) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.config = cfg
+        self.aux_layers = tuple(aux_layers)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg, _rope(cfg))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False) if draft_vocab_size else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
+        # draft id -> target id offset (target_id = draft_id + d2t[draft_id]); identity when no own lm_head
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size or 0, dtype=torch.int64))
+
+    def first_hidden(self, hidden, aux):
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def run_module(self, step, ids, positions, hidden, meta, kv):
+        return self.midlayer(self.embed(ids), hidden, positions, meta, *kv)
+
+    def draft_ids(self, step, out):
+        x = self.norm(out)
+        if self.lm_head is None:
+            return self.target.compute_logits(x).argmax(dim=-1)
+        d = self.lm_head(x).argmax(dim=-1)
+        return d + self.d2t[d]
+
+
+# ---------------------------------------------------------------------------------------------
+# MTP (DeepSeek-style modules)
+
+
+class MTPModule(nn.Module):
+    """``eh_proj(cat(enorm(embed), hnorm(hidden)))`` -> one decoder block -> ``shared_head``."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, own_head: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = DecoderLayer(cfg, rope)
+        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.shared_head_head = nn.Linear(h, cfg.vocab_size, bias=False) if own_head else None
+
+    def forward(self, emb, hidden, positions, meta, k_cache, v_cache):
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
+        out, residual = self.block(x, None, positions, meta, k_cache, v_cache)
+        return out + residual
+
+
+class MTPHead(DraftHead):
+    """MTP-Eagle (``eagle=True``): module 0 run D times as a chain, like EAGLE-3."""
+
+    def __init__(self, cfg: ModelConfig, num_modules: int, own_head: bool, eagle: bool,
+                 own_embedding: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = _rope(cfg)
+        self.modules_ = nn.ModuleList(MTPModule(cfg, rope, own_head) for _ in range(num_modules))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        self.eagle = eagle
+        self.num_kv_layers = 1 if eagle else num_modules
+
+    def module(self, step: int) -> MTPModule:
+        return self.modules_[0 if self.eagle else step]
+
+    def kv_layer(self, step: int) -> int:
+        return 0 if self.eagle else step
+
+    def first_hidden(self, hidden, aux):
+        return hidden
+
+    def run_module(self, step, ids, positions, hidden, meta, kv):
+        return self.module(step)(self.embed(ids), hidden, positions, meta, *kv)
+
+    def draft_ids(self, step, out):
+        mod = self.module(step)
+        x = mod.shared_head_norm(out)
+        if mod.shared_head_head is None:
+            return self.target.compute_logits(x).argmax(dim=-1)
+        return mod.shared_head_head(x).argmax(dim=-1)
+
+    def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
+        if self.eagle:
+            return super().propose(x, kv)
+        return self._propose_vanilla(x, kv)
+
+    def _propose_vanilla(self, x: DraftInputs, kv: list) -> torch.Tensor:
+        """Vanilla MTP: module k runs over the whole verified window with tokens shifted by k + 1 and the
+        previous module's outputs as hidden states; its prediction at the last accepted token is draft k.
+        Draft k - 1 is written into the shifted tokens before module k runs."""
+        ext = x.ids_ext.clone()  # [B, W]
+        rows = torch.arange(ext.shape[0], device=ext.device)
+        h = x.hidden
+        drafts = []
+        for k in range(x.num_drafts):
+            ids = ext[x.row_of_token, x.col_of_token + k + 1]
+            out = self.run_module(k, ids, x.positions, h, x.meta, kv[k])  # [T, H]
+            tok = self.draft_ids(k, out[x.last_idx])
+            drafts.append(tok)
+            ext[rows, x.last_col + k + 2] = tok  # the token at last_pos + k + 2
+            h = out
+        return torch.stack(drafts, dim=1)
+
+
+def _rope(cfg: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

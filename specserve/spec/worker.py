@@ -1,0 +1,134 @@
+"""The one-model speculative step: verify the previous drafts, accept, and draft the next ones.
+
+One ``execute`` per engine step, for context (prefill chunk) and generation rows together:
+
+1. verify: the target runs every row's tokens; a generation row's tokens are ``[t, d1..dD]``.
+2. accept (device): the target's token at each verified position (argmax, or a sample for rows that
+   cannot accept yet), longest accepted prefix, bonus token.
+3. rewind: nothing to do here; the scheduler advances a row's computed length by the accepted count only,
+   so the KV of rejected drafts is overwritten next step.
+4. draft (device): the head runs over every token of the step with the input ids shifted left by one
+   (the bonus token, a sampled first token, or the next prompt token of a non-final chunk at each row's
+   last accepted position), then continues its own loop.
+5. one device -> host copy: accepted counts, emitted tokens, next drafts.
+
+Nothing here knows which head it runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.cache.kv_cache import KVCache
+from specserve.models.llama import LlamaForCausalLM
+from specserve.runner.model_runner import ModelRunner, RowResult, _Staging
+from specserve.runner.sampler import SamplingTensors, sample
+from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.spec.accept import greedy_accept
+from specserve.spec.heads import DraftHead, DraftInputs
+
+
+class SpecDecodeRunner(ModelRunner):
+    def __init__(self, model: LlamaForCausalLM, head: DraftHead, kv_cache: KVCache, device: torch.device,
+                 num_drafts: int, forced_acceptance: int | None = None) -> None:
+        super().__init__(model, kv_cache, device)
+        n = model.config.num_hidden_layers
+        self.head = head
+        self.head_kv = kv_cache.layer_views()[n:n + head.num_kv_layers]
+        self.num_drafts = num_drafts
+        self.forced = forced_acceptance
+        self.table_lookahead = num_drafts - 1  # the draft loop writes up to last_pos + D - 1
+        self._spec_ints = _Staging(torch.int64, device)
+        self._spec_floats = _Staging(torch.float32, device)
+
+    def _spec_inputs(self, batch: SchedulerOutput, q: int):
+        """Host arrays for acceptance and drafting -> device views (one more upload)."""
+        sched = batch.scheduled
+        b, d = len(sched), self.num_drafts
+        w = q + d + 2
+        sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w]
+        names = ["verify_idx", "drafts", "num_drafts", "can_accept", "sample_row", "base_col", "t0", "start",
+                 "seeds", "offsets", "ext"]
+        buf = self._spec_ints.reserve(sum(sizes))
+        offs = np.cumsum([0] + sizes)
+        a = {k: buf[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
+        a["drafts"][:] = 0
+        a["ext"][:] = 0
+        vidx, drafts, ext = a["verify_idx"].reshape(b, d + 1), a["drafts"].reshape(b, d), a["ext"].reshape(b, w)
+        fl = self._spec_floats.reserve(3 * b)
+        topk = np.empty(b, dtype=np.int64)
+        t0 = 0
+        for i, s in enumerate(sched):
+            req, n, nd = s.request, s.num_tokens, s.num_drafts
+            base = t0 + n - 1 - nd  # flat index of the first verified position (the last known token)
+            vidx[i] = np.minimum(base + np.arange(d + 1), base + nd)
+            drafts[i, :nd] = req.spec_token_ids[:nd]
+            sp = req.params
+            a["num_drafts"][i] = nd
+            a["can_accept"][i] = s.sample and sp.greedy
+            a["sample_row"][i] = s.sample
+            a["base_col"][i], a["t0"][i], a["start"][i] = n - 1 - nd, t0, s.start
+            a["seeds"][i], a["offsets"][i] = req.seed, req.num_output_tokens
+            known = n - nd
+            ext[i, :known] = req.token_ids[s.start:s.start + known]
+            ext[i, known:n] = req.spec_token_ids[:nd]
+            if not s.sample:  # prompt lookahead: the next known tokens after a non-final chunk
+                nxt = req.token_ids[s.start + n:s.start + n + d + 1]
+                ext[i, n:n + len(nxt)] = nxt
+            fl[i], fl[b + i], fl[2 * b + i] = sp.temperature, sp.top_p, sp.min_p
+            topk[i] = sp.top_k if sp.top_k > 0 else self.vocab_size
+            t0 += n
+        dev = self._spec_ints.upload(int(offs[-1]))
+        t = {k: dev[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
+        fdev = self._spec_floats.upload(3 * b)
+        reps = d + 1
+        col = torch.arange(reps, device=self.device)
+        sampling = SamplingTensors(
+            temperature=fdev[:b].repeat_interleave(reps), top_p=fdev[b:2 * b].repeat_interleave(reps),
+            min_p=fdev[2 * b:].repeat_interleave(reps),
+            top_k=torch.from_numpy(topk).to(self.device).repeat_interleave(reps),
+            seeds=t["seeds"].repeat_interleave(reps), offsets=(t["offsets"][:, None] + col).reshape(-1),
+            all_greedy=all(s.request.params.greedy for s in sched),
+            needs_filter=any(s.request.params.needs_filter for s in sched),
+        )
+        return t, sampling, w
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> list[RowResult]:
+        inp = self.prepare(batch)
+        sched = batch.scheduled
+        b, d = len(sched), self.num_drafts
+        q = inp.meta.query_index.shape[1]
+        t, sampling, w = self._spec_inputs(batch, q)
+        hidden, aux = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views,
+                                 aux_layers=self.head.aux_layers)
+        # verify + accept
+        logits = self.model.compute_logits(hidden[t["verify_idx"]])  # [B*(D+1), V]
+        target = sample(logits, sampling).view(b, d + 1)
+        can_accept = t["can_accept"].bool()
+        sample_row = t["sample_row"].bool()
+        accepted, emitted = greedy_accept(target, t["drafts"].view(b, d), t["num_drafts"], can_accept, self.forced)
+        # draft
+        rows = torch.arange(b, device=self.device)
+        last_col = t["base_col"] + accepted  # [B]
+        ext = t["ext"].view(b, w).clone()
+        bonus = emitted[rows, accepted]
+        ext[rows, last_col + 1] = torch.where(sample_row, bonus, ext[rows, last_col + 1])
+        flat = inp.meta.flat_index
+        x = DraftInputs(
+            ids_ext=ext, row_of_token=flat // q, col_of_token=flat % q, positions=inp.positions, meta=inp.meta,
+            hidden=hidden, aux=aux, last_idx=t["t0"] + last_col, last_col=last_col, last_pos=t["start"] + last_col,
+            block_tables=inp.meta.block_tables, draft_ok=sample_row, block_size=self.block_size, num_drafts=d,
+            host_rows=sched,
+        )
+        drafts = self.head.propose(x, self.head_kv)  # [B, D]
+        out = torch.cat((accepted[:, None], emitted, drafts), dim=1).tolist()  # the one device -> host copy
+        results = []
+        for s, row in zip(sched, out):
+            if not s.sample:
+                results.append(RowResult([]))
+                continue
+            acc = row[0]
+            results.append(RowResult(row[1:acc + 2], row[d + 2:], s.num_drafts, acc))
+        return results
