@@ -55,3 +55,21 @@ def test_default_model_bf16_on_cuda():
                    SamplingParams(temperature=0, max_tokens=30))[0]
     assert "Paris" in out.text
     assert llm.engine.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("method, modules", [("eagle3", 1), ("mtp", 1), ("mtp", 3)])
+def test_cuda_speculation_is_lossless(tmp_path_factory, method, modules):
+    from tiny_models import make_head
+
+    d = tmp_path_factory.mktemp(f"spec_gpu_{method}{modules}")
+    make_hf_model(d / "t", "llama", initializer_range=0.4, num_hidden_layers=8)
+    make_head(d / "h", d / "t", method, num_modules=modules, draft_vocab=150)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26)
+    plain = LLM(str(d / "t"), **common).generate(PROMPTS, sp)
+    spec = dict(method=method, draft_model=str(d / "h"), max_draft_len=3)
+    llm = LLM(str(d / "t"), speculative_config=spec, max_num_batched_tokens=7, **common)
+    out = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.num_verify_steps > 0
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable

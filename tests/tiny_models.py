@@ -169,22 +169,9 @@ def make_head(folder: Path, target_folder: Path, method: str = "eagle3", num_mod
     """Write a random draft head for the HF model in ``target_folder`` with specserve's writers."""
     from specserve.loaders.hf import load_hf_config
     from specserve.spec.checkpoint import save_eagle3_head, save_mtp_head
-    from specserve.spec.config import default_eagle3_layers
-    from specserve.spec.heads import Eagle3Head, MTPHead
+    from specserve.spec.random_heads import random_head
 
     cfg = load_hf_config(target_folder)
-    torch.manual_seed(seed)
-    if method == "eagle3":
-        head = Eagle3Head(cfg, default_eagle3_layers(cfg.num_hidden_layers), draft_vocab if own_head else None)
-        if own_head and draft_vocab is not None and draft_vocab < cfg.vocab_size:
-            ids = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
-            head.d2t.copy_(ids - torch.arange(draft_vocab))
-        save_eagle3_head(head, folder)
-    else:
-        head = MTPHead(cfg, num_modules, own_head=own_head, eagle=True)
-        with torch.no_grad():
-            for name, p in head.named_parameters():
-                if "norm" in name:
-                    p.add_(torch.randn_like(p) * 0.1)
-        save_mtp_head(head, folder)
+    head = random_head(cfg, method, draft_vocab, num_modules, own_head, seed)
+    (save_eagle3_head if method == "eagle3" else save_mtp_head)(head, folder)
     return folder

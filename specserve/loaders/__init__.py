@@ -51,6 +51,12 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def load_config(model: str | os.PathLike | None) -> ModelConfig:
+    """The model's config alone (no weights, no tokenizer)."""
+    path = resolve_model_path(model)
+    return GGUFFile(path).config if path.is_file() else load_hf_config(path)
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
