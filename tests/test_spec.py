@@ -60,6 +60,7 @@ HEADS = {
     "eagle3-d4": dict(method="eagle3", draft_model="eagle3", max_draft_len=4),
     "eagle3-target-lm_head-d2": dict(method="eagle3", draft_model="eagle3_full", max_draft_len=2),
     "mtp_eagle-d3": dict(method="mtp", draft_model="mtp1", max_draft_len=3),
+    "mtp_eagle-d5": dict(method="mtp", draft_model="mtp1", max_draft_len=5),
     "mtp_eagle-d6-of-3-modules": dict(method="mtp", draft_model="mtp3", max_draft_len=6),
     "mtp_vanilla-d3": dict(method="mtp", draft_model="mtp3", max_draft_len=3, mtp_eagle=False),
     "mtp_vanilla-d1": dict(method="mtp", draft_model="mtp3", max_draft_len=1),
