@@ -66,6 +66,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--stats", action="store_true", help="print speed and speculation statistics to stderr")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+
+    tr = sub.add_parser("train-draft", help="train an EAGLE-3 or MTP-Eagle draft head for a target model")
+    tr.add_argument("--target", default=None, help="target model (HF folder or .gguf; default: the embedded model)")
+    tr.add_argument("--method", required=True, choices=["eagle3", "mtp"])
+    tr.add_argument("--prompts", nargs="+", default=[], help="prompt files (JSONL/JSON, .gz allowed)")
+    tr.add_argument("--out", required=True, help="output folder (checkpoint, head/, report.json, plots)")
+    tr.add_argument("--eval-prompts", nargs="*", default=[], help="extra held-out prompt files for the report")
+    tr.add_argument("--data", default=None, help="reuse regenerated data (data.pt) from another run")
+    tr.add_argument("--holdout", type=float, default=0.05, help="fraction of prompts held out of training")
+    tr.add_argument("--max-prompts", type=int, default=None)
+    tr.add_argument("--gen-max-tokens", type=int, default=256, help="max tokens of each regenerated response")
+    tr.add_argument("--gen-temperature", type=float, default=0.0, help="temperature of the regenerated responses")
+    tr.add_argument("--max-seq-len", type=int, default=1024)
+    tr.add_argument("--steps", type=int, default=2000)
+    tr.add_argument("--batch-size", type=int, default=16, help="sequences per training step")
+    tr.add_argument("--lr", type=float, default=5e-4)
+    tr.add_argument("--warmup", type=int, default=100)
+    tr.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training-time test")
+    tr.add_argument("--draft-vocab", type=int, default=0,
+                    help="EAGLE-3: own lm_head over the N most frequent tokens (0: share the target's lm_head)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default=None)
+    tr.add_argument("--eval-draft-len", type=int, default=4)
+    tr.add_argument("--eval-max-prompts", type=int, default=64)
+    tr.add_argument("--eval-max-tokens", type=int, default=256)
+    tr.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
+    tr.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    tr.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
@@ -130,7 +158,29 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if a.command == "generate":
         return cmd_generate(a)
+    if a.command == "train-draft":
+        return cmd_train(a)
     return 2
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from specserve.train.trainer import TrainConfig, train
+
+    fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
+              "gen_max_tokens", "gen_temperature", "max_seq_len", "steps", "batch_size", "lr", "warmup",
+              "ttt_steps", "draft_vocab", "seed", "device", "eval_draft_len", "eval_max_prompts",
+              "eval_max_tokens", "export_dtype", "time_limit")
+    try:
+        cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
+        report = train(cfg)
+    except ValueError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    for name, e in report["eval"].items():
+        pos = " ".join(f"{p:.2f}" for p in e["per_position_acceptance"])
+        print(f"{name}: acceptance length {e['acceptance_length']:.2f} (D={e['draft_len']}), per position [{pos}]")
+    print(f"head written to {a.out}/head; report in {a.out}/report.json")
+    return 0
 
 
 if __name__ == "__main__":

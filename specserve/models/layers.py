@@ -68,11 +68,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k)."""
-        cos = self.cos_cache[positions].to(q.dtype)  # [T, D/2]
+        """positions [...]; q [..., Hq, D]; k [..., Hkv, D] -> rotated (q, k)."""
+        cos = self.cos_cache[positions].to(q.dtype)  # [..., D/2]
         sin = self.sin_cache[positions].to(q.dtype)
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(-2)  # [..., 1, D]
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(-2)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

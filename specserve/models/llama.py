@@ -29,19 +29,26 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = self.d ** -0.5
 
-    def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache):
-        """x [T, H]; positions [T] -> [T, H]."""
-        t = x.shape[0]
+    def forward(self, x, positions, meta, k_cache, v_cache):
+        """x [T, H]; positions [T] -> [T, H] over the paged cache (``meta``: AttentionMetadata).
+
+        Training passes ``[B, S, H]`` inputs and a ``meta`` object with ``attend(q, k, v)`` (dense causal
+        or training-time-test layouts, see ``specserve.train.attention``); no KV cache is used then.
+        """
+        lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = q.view(t, self.hq, self.d)
-        k = k.view(t, self.hkv, self.d)
-        v = v.view(t, self.hkv, self.d)
+        q = q.view(*lead, self.hq, self.d)
+        k = k.view(*lead, self.hkv, self.d)
+        v = v.view(*lead, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.hq * self.d))
+        if isinstance(meta, AttentionMetadata):
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        else:
+            out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
+        return self.o_proj(out.reshape(*lead, self.hq * self.d))
 
 
 class DecoderLayer(nn.Module):
@@ -88,18 +95,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [T]; positions [T] -> (hidden [T, H] after the final norm, aux [T, H] per aux layer).
 
-        ``aux_layers`` are layer indices whose output (residual stream after the layer) is returned;
-        with none asked, no extra tensor is materialised.
+        ``aux_layers`` are layer indices whose output (residual stream after the layer) is returned, one
+        tensor per entry, in layer order (as vLLM / EAGLE concatenate them); a repeated id repeats its
+        tensor (tiny models' default EAGLE-3 layers coincide). With none asked, no extra tensor is
+        materialised.
         """
         x = self.embed_tokens(input_ids)
         residual = None
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, meta, *kv_caches[i])
             if i in aux_layers:
-                aux.append(x + residual)
+                captured[i] = x + residual
         x, _ = self.norm(x, residual)
-        return x, aux
+        return x, [captured[i] for i in sorted(aux_layers)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

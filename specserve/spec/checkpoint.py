@@ -235,16 +235,21 @@ def _base_config(cfg: ModelConfig) -> dict:
                 num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
                 head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, vocab_size=cfg.vocab_size,
                 rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-                hidden_act="silu", torch_dtype="float32")
+                hidden_act="silu")
 
 
-def save_eagle3_head(head: Eagle3Head, folder: str | Path, extra_config: dict | None = None) -> None:
+def _float_state(head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: (v.detach().cpu().to(dtype) if v.is_floating_point() else v.detach().cpu())
+            for k, v in head.state_dict().items()}
+
+
+def save_eagle3_head(head: Eagle3Head, folder: str | Path, extra_config: dict | None = None,
+                     dtype: torch.dtype = torch.float32) -> None:
     """Write ``head`` in the EAGLE-3 layout (unfused tensors, ``d2t``/``t2d`` when it has a draft vocabulary)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = head.config
-    state = {k: v.detach().float().cpu() for k, v in head.state_dict().items()}
-    state = unfuse(state, cfg)
+    state = unfuse(_float_state(head, dtype), cfg)
     if head.lm_head is not None:
         d2t = head.d2t.detach().cpu().to(torch.int64)
         state["d2t"] = d2t
@@ -254,7 +259,8 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, extra_config: dict | 
     else:
         state.pop("d2t", None)
     save_file(state, str(folder / "model.safetensors"))
-    conf = dict(_base_config(cfg), architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+    conf = dict(_base_config(cfg), torch_dtype=str(dtype).removeprefix("torch."),
+                architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                 draft_vocab_size=head.lm_head.out_features if head.lm_head is not None else cfg.vocab_size,
                 tie_word_embeddings=False,
                 eagle_config={"eagle_aux_hidden_state_layer_ids": [a + 1 for a in head.aux_layers],
@@ -263,11 +269,12 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, extra_config: dict | 
     (folder / "config.json").write_text(json.dumps(conf, indent=2))
 
 
-def save_mtp_head(head: MTPHead, folder: str | Path, extra_config: dict | None = None) -> None:
+def save_mtp_head(head: MTPHead, folder: str | Path, extra_config: dict | None = None,
+                  dtype: torch.dtype = torch.float32) -> None:
     """Write ``head`` in the DeepSeek-style MTP layout (``model.layers.{i}.*``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = unfuse({k: v.detach().float().cpu() for k, v in head.state_dict().items()}, head.config)
+    state = unfuse(_float_state(head, dtype), head.config)
     out = {}
     for name, t in state.items():
         m = re.match(r"modules_\.(\d+)\.(.*)$", name)
@@ -281,7 +288,8 @@ def save_mtp_head(head: MTPHead, folder: str | Path, extra_config: dict | None =
             rest = rest[len("block."):]
         out[f"model.layers.{m.group(1)}.{rest}"] = t
     save_file(out, str(folder / "model.safetensors"))
-    conf = dict(_base_config(head.config), architectures=["DeepseekMTPHead"], model_type="mtp",
+    conf = dict(_base_config(head.config), torch_dtype=str(dtype).removeprefix("torch."),
+                architectures=["DeepseekMTPHead"], model_type="mtp",
                 num_nextn_predict_layers=len(head.modules_))
     conf.update(extra_config or {})
     (folder / "config.json").write_text(json.dumps(conf, indent=2))

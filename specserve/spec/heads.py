@@ -75,9 +75,17 @@ class DraftHead(nn.Module):
         """One module pass for draft step ``step``; returns its pre-norm output [N, H]."""
         raise NotImplementedError
 
+    def logits(self, step: int, out: torch.Tensor) -> torch.Tensor:
+        """out [..., H] -> logits over the head's vocabulary [..., V'] (float32)."""
+        raise NotImplementedError
+
+    def vocab_ids(self) -> torch.Tensor | None:
+        """Target id of each entry of the head's vocabulary; None when it is the target's vocabulary."""
+        return None
+
     def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
-        raise NotImplementedError
+        return self.logits(step, out).argmax(dim=-1)
 
     def kv_layer(self, step: int) -> int:
         return 0
@@ -155,12 +163,18 @@ class Eagle3Head(DraftHead):
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.midlayer(self.embed(ids), hidden, positions, meta, *kv)
 
-    def draft_ids(self, step, out):
+    def logits(self, step, out):
         x = self.norm(out)
+        return self.target.compute_logits(x) if self.lm_head is None else self.lm_head(x).float()
+
+    def vocab_ids(self):
         if self.lm_head is None:
-            return self.target.compute_logits(x).argmax(dim=-1)
-        d = self.lm_head(x).argmax(dim=-1)
-        return d + self.d2t[d]
+            return None
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def draft_ids(self, step, out):
+        d = self.logits(step, out).argmax(dim=-1)
+        return d if self.lm_head is None else d + self.d2t[d]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,12 +225,10 @@ class MTPHead(DraftHead):
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.module(step)(self.embed(ids), hidden, positions, meta, *kv)
 
-    def draft_ids(self, step, out):
+    def logits(self, step, out):
         mod = self.module(step)
         x = mod.shared_head_norm(out)
-        if mod.shared_head_head is None:
-            return self.target.compute_logits(x).argmax(dim=-1)
-        return mod.shared_head_head(x).argmax(dim=-1)
+        return self.target.compute_logits(x) if mod.shared_head_head is None else mod.shared_head_head(x).float()
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         if self.eagle:
@@ -236,7 +248,9 @@ class MTPHead(DraftHead):
             out = self.run_module(k, ids, x.positions, h, x.meta, kv[k])  # [T, H]
             tok = self.draft_ids(k, out[x.last_idx])
             drafts.append(tok)
-            ext[rows, x.last_col + k + 2] = tok  # the token at last_pos + k + 2
+            # the token at last_pos + k + 2; a non-final prompt chunk keeps the known prompt token there
+            col = x.last_col + k + 2
+            ext[rows, col] = torch.where(x.draft_ok, tok, ext[rows, col])
             h = out
         return torch.stack(drafts, dim=1)
 

@@ -1,0 +1,80 @@
+"""Prompt files in the shapes people have: JSONL or JSON (optionally .gz) with one of
+``{"prompt"}``, ``{"instruction", "input"}`` (Alpaca / GPTeacher; Alpaca seed tasks' ``instances`` too),
+``{"turns": [...]}`` (MT-bench: the first turn), ShareGPT ``{"conversations": [{"from"|"role", "value"|"content"}]}``
+(the first human turn), ``{"messages": [...]}`` (OpenAI chat: the first user turn), or plain strings."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+
+def _open(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _records(path: Path) -> list:
+    with _open(path) as f:
+        text = f.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        return json.loads(text)
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return records
+
+
+def _first_user_turn(turns: list) -> str | None:
+    for t in turns:
+        if isinstance(t, str):
+            return t
+        role = t.get("from", t.get("role"))
+        if role in ("human", "user"):
+            return t.get("value", t.get("content"))
+    return None
+
+
+def prompt_of(rec) -> str | None:
+    """The user prompt of one record, or None when the record has none."""
+    if isinstance(rec, str):
+        return rec
+    if not isinstance(rec, dict):
+        return None
+    if isinstance(rec.get("prompt"), str):
+        return rec["prompt"]
+    if isinstance(rec.get("instruction"), str):
+        extra = rec.get("input")
+        if extra is None and rec.get("instances"):
+            extra = rec["instances"][0].get("input")
+        return rec["instruction"] + (f"\n\n{extra}" if extra else "")
+    for key in ("turns", "conversations", "messages"):
+        if isinstance(rec.get(key), list):
+            return _first_user_turn(rec[key])
+    return None
+
+
+def read_prompts(paths: list[str | Path]) -> list[str]:
+    """All prompts of the files, in order, without empty or duplicate prompts."""
+    out, seen = [], set()
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise ValueError(f"prompt file {str(p)!r} not found")
+        recs = _records(path)
+        found = 0
+        for rec in recs:
+            text = prompt_of(rec)
+            if text and text.strip() and text not in seen:
+                seen.add(text)
+                out.append(text)
+                found += 1
+        if not found:
+            raise ValueError(f"{path}: no prompts found (expected records with 'prompt', 'instruction', "
+                             "'turns', 'conversations' or 'messages')")
+    return out

@@ -1,0 +1,73 @@
+"""Evaluate a trained head with the engine and write the training report (JSON + PNG plots)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specserve.train.prompts import read_prompts
+
+
+def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int, max_tokens: int,
+               device=None, dtype: str = "auto") -> dict:
+    """Greedy acceptance of ``head_dir`` on chat prompts: acceptance length and per-position acceptance."""
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128,
+              speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
+    tok = llm.tokenizer
+    reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]
+    outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), raise_on_error=False)
+    stats = llm.engine.spec_stats
+    return {"prompts": len(prompts), "generated_tokens": sum(len(o.token_ids) for o in outs),
+            "acceptance_length": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
+            "per_position_acceptance": stats.per_position, "draft_len": draft_len}
+
+
+def evaluate(cfg, head_dir: Path, holdout: list[str]) -> dict:
+    """Acceptance on the held-out part of the training prompt files and on each extra eval file."""
+    sets = {}
+    if holdout:
+        sets["holdout"] = holdout[:cfg.eval_max_prompts]
+    for f in cfg.eval_prompts:
+        sets[Path(f).name] = read_prompts([f])[:cfg.eval_max_prompts]
+    return {name: acceptance(cfg.target, cfg.method, head_dir, ps, cfg.eval_draft_len, cfg.eval_max_tokens,
+                             cfg.device) for name, ps in sets.items()}
+
+
+def write_report(out: Path, report: dict) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = report["history"]
+    if hist:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        steps = [h["step"] for h in hist]
+        for k in range(len(hist[-1]["losses"])):
+            a.plot(steps, [h["losses"][k] if k < len(h["losses"]) else float("nan") for h in hist],
+                   label=f"draft step {k}")
+            b.plot(steps, [h["acc"][k] if k < len(h["acc"]) else float("nan") for h in hist], label=f"draft step {k}")
+        a.set(xlabel="training step", ylabel="soft cross-entropy", title="loss per unrolled draft step")
+        b.set(xlabel="training step", ylabel="top-1 agreement with target", title="training agreement")
+        a.legend()
+        b.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=110)
+        plt.close(fig)
+    evals = report.get("eval") or {}
+    if evals:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(evals)
+        for i, (name, e) in enumerate(evals.items()):
+            pos = e["per_position_acceptance"]
+            ax.bar([j + i * width for j in range(len(pos))], pos, width,
+                   label=f"{name} (AL {e['acceptance_length']:.2f})")
+        ax.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1),
+               title="per-position acceptance on held-out prompts (greedy)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "acceptance.png", dpi=110)
+        plt.close(fig)

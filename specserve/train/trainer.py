@@ -1,0 +1,298 @@
+"""``specserve train-draft``: train an EAGLE-3 or MTP-Eagle head for a target model.
+
+1. Regenerate responses to the prompts with the target itself (specserve's engine, chat template), so the
+   head learns the target's own distribution; held-out prompts are split off first and never trained on.
+2. For each batch of sequences, run the target (float32, dense causal attention) for the features the head
+   needs (three aux layers for EAGLE-3, the final hidden state for MTP) and its next-token distribution.
+3. Training-time test: unroll ``ttt_steps`` draft steps; step k feeds the head's own previous output as
+   hidden state and is trained, with soft cross-entropy, towards the target's distribution k + 2 tokens ahead.
+4. Checkpoint (resumable, seeded), export in the layout the worker loads, evaluate acceptance with the
+   engine on held-out prompts, and write a JSON report and PNG plots (``report.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.config import resolve_device
+from specserve.loaders import load_model
+from specserve.spec.checkpoint import bind_head, save_eagle3_head, save_mtp_head
+from specserve.spec.config import default_eagle3_layers
+from specserve.spec.heads import DraftHead, Eagle3Head, MTPHead
+from specserve.train.attention import DenseCausal, TrainingTimeTest
+from specserve.train.prompts import read_prompts
+
+log = logging.getLogger("specserve")
+
+
+@dataclass
+class TrainConfig:
+    target: str | None
+    method: str
+    prompts: list[str]
+    out: str
+    eval_prompts: list[str] = field(default_factory=list)  # extra held-out files (e.g. HumanEval)
+    data: str | None = None  # reuse regenerated data from another run (its data.pt)
+    holdout: float = 0.05
+    max_prompts: int | None = None
+    gen_max_tokens: int = 256
+    gen_temperature: float = 0.0
+    gen_dtype: str = "auto"
+    max_seq_len: int = 1024
+    steps: int = 2000
+    batch_size: int = 16
+    lr: float = 5e-4
+    warmup: int = 100
+    ttt_steps: int = 4
+    ttt_decay: float = 0.9
+    draft_vocab: int = 0  # 0: share the target's lm_head
+    seed: int = 0
+    device: str | None = None
+    save_every: int = 250
+    time_limit: float | None = None  # seconds of training after which the run stops early and exports
+    log_every: int = 10
+    eval_draft_len: int = 4
+    eval_max_prompts: int = 64
+    eval_max_tokens: int = 256
+    export_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.method not in ("eagle3", "mtp"):
+            raise ValueError(f"--method must be eagle3 or mtp, got {self.method!r}")
+        if not self.prompts and not self.data:
+            raise ValueError("give --prompts FILE [FILE ...] (or --data from an earlier run)")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"--holdout must be in [0, 1), got {self.holdout}")
+        for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def split_prompts(cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    prompts = read_prompts(cfg.prompts)
+    rng = random.Random(cfg.seed)
+    rng.shuffle(prompts)
+    if cfg.max_prompts:
+        prompts = prompts[:cfg.max_prompts]
+    n_hold = max(1, int(len(prompts) * cfg.holdout)) if cfg.holdout > 0 and len(prompts) > 1 else 0
+    return prompts[n_hold:], prompts[:n_hold]
+
+
+def regenerate(cfg: TrainConfig, prompts: list[str]) -> list[dict]:
+    """Responses of the target to ``prompts`` through specserve's engine (chat template applied)."""
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192)
+    tok = llm.tokenizer
+    reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]
+    params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_tokens, seed=cfg.seed + i)
+              for i in range(len(prompts))]
+    outs = llm.generate(reqs, params, use_tqdm=True, raise_on_error=False)
+    data = [{"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids} for o in outs
+            if o.error is None and o.token_ids]
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return data
+
+
+def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, ...]:
+    """-> tokens [B, S], lengths [B], response start [B] (sequences cut to max_len, padded with 0)."""
+    seqs = [(data[i]["prompt_ids"] + data[i]["response_ids"])[:max_len] for i in idx]
+    s = max(len(x) for x in seqs)
+    tokens = torch.zeros(len(seqs), s, dtype=torch.int64)
+    for b, x in enumerate(seqs):
+        tokens[b, :len(x)] = torch.tensor(x)
+    lengths = torch.tensor([len(x) for x in seqs])
+    starts = torch.tensor([min(len(data[i]["prompt_ids"]), max_len) for i in idx])
+    return tokens.to(device), lengths.to(device), starts.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
+    tcfg = target.config
+    torch.manual_seed(cfg.seed)
+    if cfg.method == "eagle3":
+        dv = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else None
+        head: DraftHead = Eagle3Head(tcfg, default_eagle3_layers(tcfg.num_hidden_layers), dv)
+        if dv is not None:  # the dv most frequent tokens of the regenerated responses
+            counts = torch.zeros(tcfg.vocab_size, dtype=torch.int64)
+            for d in data:
+                counts += torch.bincount(torch.tensor(d["response_ids"]), minlength=tcfg.vocab_size)
+            ids = counts.topk(dv).indices.sort().values
+            head.d2t.copy_(ids - torch.arange(dv))
+    else:
+        head = MTPHead(tcfg, 1, own_head=False, eagle=True)
+    head = head.to(next(target.parameters()).device)
+    bind_head(head, target)
+    return head.train().requires_grad_(True)
+
+
+@torch.no_grad()
+def target_features(target, head: DraftHead, tokens: torch.Tensor):
+    """tokens [B, S] -> (head step-0 hidden [B, S, H], target log-probs [B, S, V])."""
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).expand(b, s)
+    n = target.config.num_hidden_layers
+    hidden, aux = target(tokens, pos, DenseCausal(), [(None, None)] * n, aux_layers=head.aux_layers)
+    logp = target.compute_logits(hidden).log_softmax(dim=-1)
+    return hidden, aux, logp
+
+
+def ttt_loss(cfg: TrainConfig, head: DraftHead, tokens, lengths, starts, hidden, aux, target_logp):
+    """Unrolled training-time-test loss. Returns (loss, per-step losses, per-step top-1 agreement)."""
+    b, s = tokens.shape
+    dev = tokens.device
+    pos = torch.arange(s, device=dev).expand(b, s)
+    vocab_ids = head.vocab_ids()
+    h = head.first_hidden(hidden, aux)
+    tta = TrainingTimeTest()
+    total = torch.zeros((), device=dev)
+    losses, accs = [], []
+    norm = sum(cfg.ttt_decay ** k for k in range(cfg.ttt_steps))
+    for k in range(cfg.ttt_steps):
+        shift = k + 1
+        ids = torch.zeros_like(tokens)
+        ids[:, :s - shift] = tokens[:, shift:]  # the token at position i + k + 1
+        out = head.run_module(k, ids, pos + k, h, tta, (None, None))
+        # anchor i predicts the token at i + k + 2; the target's distribution for it sits at i + k + 1
+        m = s - k - 2
+        if m <= 0:
+            break
+        logq = head.logits(k, out[:, :m]).log_softmax(dim=-1)
+        p = target_logp[:, k + 1:k + 1 + m].exp()
+        if vocab_ids is not None:
+            p = p[..., vocab_ids]
+            p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        pred = torch.arange(m, device=dev) + k + 2
+        mask = (pred[None, :] < lengths[:, None]) & (pred[None, :] >= starts[:, None])  # response tokens only
+        ce = -(p * logq).sum(-1)  # [B, m]
+        denom = mask.sum().clamp_min(1)
+        lk = (ce * mask).sum() / denom
+        total = total + (cfg.ttt_decay ** k / norm) * lk
+        agree = (logq.argmax(-1) == p.argmax(-1)) & mask
+        losses.append(lk.item())
+        accs.append((agree.sum() / denom).item())
+        h = out
+    return total, losses, accs
+
+
+# ---------------------------------------------------------------------------------------------
+# loop
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def train(cfg: TrainConfig) -> dict:
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    device = resolve_device(cfg.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    # prompts and data (cached, so a resumed run trains on the same data)
+    split_path = out / "prompts_split.json"
+    if split_path.is_file():
+        split = json.loads(split_path.read_text())
+    else:
+        train_p, hold_p = split_prompts(cfg) if cfg.prompts else ([], [])
+        split = {"train": train_p, "holdout": hold_p}
+        split_path.write_text(json.dumps(split))
+    data_path = Path(cfg.data) if cfg.data else out / "data.pt"
+    if data_path.is_file():
+        data = torch.load(data_path)
+        log.info("loaded %d regenerated sequences from %s", len(data["train"]), data_path)
+    else:
+        t0 = time.perf_counter()
+        data = {"train": regenerate(cfg, split["train"]), "holdout_prompts": split["holdout"]}
+        data["gen_seconds"] = time.perf_counter() - t0
+        torch.save(data, data_path)
+    seqs = data["train"]
+    if not seqs:
+        raise ValueError("no training sequences: every prompt failed or produced nothing")
+    holdout = data.get("holdout_prompts", split["holdout"])
+
+    target = load_model(cfg.target, torch.float32, device).model
+    head = build_head(cfg, target, seqs)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    history: list[dict] = []
+    start = 0
+    ckpt = out / "checkpoint.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, map_location=device)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        start, history = state["step"], state["history"]
+        log.info("resuming from step %d", start)
+
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.method}", unit="step")
+    t_train = time.perf_counter()
+    stopped_early = None
+    for step in bar:
+        if cfg.time_limit is not None and time.perf_counter() - t_train > cfg.time_limit:
+            stopped_early = step
+            log.warning("time limit of %.0f s reached: stopping at step %d of %d", cfg.time_limit, step, cfg.steps)
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history}, ckpt)
+            break
+        rng = random.Random(cfg.seed * 1_000_003 + step)  # batch of step n is the same after a resume
+        idx = [rng.randrange(len(seqs)) for _ in range(cfg.batch_size)]
+        tokens, lengths, starts = make_batch(seqs, idx, cfg.max_seq_len, device)
+        hidden, aux, logp = target_features(target, head, tokens)
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux, logp)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            history.append({"step": step, "loss": loss.item(), "losses": losses, "acc": accs, "lr": _lr(cfg, step)})
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
+        if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1, "history": history},
+                       ckpt)
+    train_seconds = time.perf_counter() - t_train
+
+    head_dir = out / "head"
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.export_dtype]
+    steps_done = stopped_early if stopped_early is not None else cfg.steps
+    meta = {"specserve_training": {"target": str(cfg.target or "default"), "steps": steps_done,
+                                   "ttt_steps": cfg.ttt_steps, "sequences": len(seqs), "seed": cfg.seed}}
+    (save_eagle3_head if cfg.method == "eagle3" else save_mtp_head)(head.eval(), head_dir, meta, dtype=dtype)
+    del target, head, opt
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    from specserve.train.report import evaluate, write_report
+
+    evals = evaluate(cfg, head_dir, holdout)
+    report = {"config": asdict(cfg), "train_sequences": len(seqs),
+              "train_tokens": sum(len(d["response_ids"]) for d in seqs), "gen_seconds": data.get("gen_seconds"),
+              "train_seconds": train_seconds, "steps_done": steps_done, "head_bytes": (head_dir / "model.safetensors").stat().st_size,
+              "final": history[-1] if history else None, "history": history, "eval": evals}
+    write_report(out, report)
+    return report
