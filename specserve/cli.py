@@ -24,7 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
     sp = p.add_argument_group("speculative decoding")
-    sp.add_argument("--draft", default=None, help="draft head folder (EAGLE-3 or MTP layout); enables speculation")
+    sp.add_argument("--draft", default=None,
+                    help="draft head folder (EAGLE-3 or MTP layout); the default model uses its shipped head")
+    sp.add_argument("--no-spec", action="store_true", help="turn speculative decoding off")
     sp.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"], help="draft head type")
     sp.add_argument("--draft-len", type=int, default=4, help="drafts per step (D)")
     sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
@@ -35,7 +37,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     spec = None
-    if a.draft is not None:
+    if a.draft is None and a.model is None and not a.no_spec:  # the default model brings its own heads
+        from specserve.heads import DEFAULT_HEADS
+
+        a.draft = str(DEFAULT_HEADS[a.method])
+    if a.draft is not None and not a.no_spec:
         spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len, forced_acceptance=a.forced_acceptance)
         if a.mtp_eagle is not None:
             spec["mtp_eagle"] = a.mtp_eagle

@@ -144,15 +144,19 @@ class LLMEngine:
         outputs = []
         for entry, res in self.scheduler.update(batch, results):
             req = entry.request
-            appended, delta = [], ""
+            appended, text_before = [], len(req.output_text)
             for tok in res.tokens:  # in order; nothing after the token that ends the request
                 req.append_token(tok)
                 appended.append(tok)
-                delta += self._detokenize(req, [tok])
+                self._detokenize(req, [tok])
                 if req.finished:
                     break
-            # drafts that could only land past the request's last allowed token are not verified
-            room = max(0, req.max_total_tokens - req.num_tokens - 1)
+            # the step's text after stop strings: a stop string completed by a later token of this step
+            # also cuts the text that earlier tokens of the same step added
+            delta = req.output_text[text_before:]
+            # drafts that could only land past the request's last allowed token are not verified; sampled
+            # requests cannot accept drafts yet (greedy acceptance only), so they verify none
+            room = max(0, req.max_total_tokens - req.num_tokens - 1) if req.params.greedy else 0
             req.spec_token_ids = [] if req.finished else res.drafts[:room]
             req.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
             self.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
