@@ -31,8 +31,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--draft-len", type=int, default=4, help="drafts per step (D)")
     sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
                     help="MTP: run one module D times (default when the head has fewer modules than D)")
+    sp.add_argument("--relaxed-acceptance", action="store_true",
+                    help="relaxed acceptance inside the thinking phase (lossy; needs --begin-thinking-token)")
+    sp.add_argument("--relaxed-topk", type=int, default=1, help="relaxed: drafts among the k most likely tokens")
+    sp.add_argument("--relaxed-delta", type=float, default=0.0, help="relaxed: with p >= p(top1) - delta")
+    sp.add_argument("--begin-thinking-token", default=None, help="token (id or text) that opens the thinking phase")
+    sp.add_argument("--end-thinking-token", default=None, help="token (id or text) that closes the thinking phase")
     sp.add_argument("--forced-acceptance", type=int, default=None,
                     help="accept exactly N drafts per step (performance experiments; output is NOT the model's)")
+
+
+def _token_arg(value: str | None) -> int | str | None:
+    return int(value) if value is not None and value.isdigit() else value
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -42,7 +52,10 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 
         a.draft = str(DEFAULT_HEADS[a.method])
     if a.draft is not None and not a.no_spec:
-        spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len, forced_acceptance=a.forced_acceptance)
+        spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len, forced_acceptance=a.forced_acceptance,
+                    use_relaxed_acceptance_for_thinking=a.relaxed_acceptance, relaxed_topk=a.relaxed_topk,
+                    relaxed_delta=a.relaxed_delta, begin_thinking_phase_token=_token_arg(a.begin_thinking_token),
+                    end_thinking_phase_token=_token_arg(a.end_thinking_token))
         if a.mtp_eagle is not None:
             spec["mtp_eagle"] = a.mtp_eagle
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,

@@ -27,6 +27,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # speculative decoding, per request (None: the engine's SpeculativeConfig decides)
+    relaxed_acceptance: bool | None = None
+    relaxed_topk: int | None = None
+    relaxed_delta: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +59,10 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
+        if self.relaxed_topk is not None and (not isinstance(self.relaxed_topk, int) or self.relaxed_topk < 1):
+            bad("relaxed_topk", "must be an integer >= 1")
+        if self.relaxed_delta is not None and not 0.0 <= self.relaxed_delta <= 1.0:
+            bad("relaxed_delta", "must be in [0, 1]")
 
     @property
     def greedy(self) -> bool:

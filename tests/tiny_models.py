@@ -76,7 +76,9 @@ def make_hf_model(folder: Path, arch: str = "llama", seed: int = 0, shards: int 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = save_tokenizer(folder)
+    vocab = over.pop("vocab_size", None) or save_tokenizer(folder)
+    if not (folder / "tokenizer.json").is_file():
+        save_tokenizer(folder)
     cfg_dict = hf_config(arch, vocab_size=vocab, **over)
     (folder / "config.json").write_text(json.dumps(cfg_dict))
     cfg = AutoConfig.from_pretrained(str(folder))

@@ -47,7 +47,8 @@ class Request:
     recomputes prompt + output so far before sampling again."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 max_total_tokens: int, eos_token_ids: tuple[int, ...]) -> None:
+                 max_total_tokens: int, eos_token_ids: tuple[int, ...],
+                 thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -61,6 +62,11 @@ class Request:
         self.block_ids: list[int] = []
         self.spec_token_ids: list[int] = []  # drafts proposed by the last step, verified by the next
         self.spec_stats = SpecStats()
+        # thinking phase after the last known token (relaxed acceptance): the last begin/end token wins
+        self.thinking_tokens = thinking_tokens
+        self.thinking = False
+        for tok in prompt_token_ids:
+            self._track_thinking(tok)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -91,9 +97,16 @@ class Request:
         self.stop_reason = stop_reason
         self.metrics.finished_time = time.perf_counter()
 
+    def _track_thinking(self, token: int) -> None:
+        if token == self.thinking_tokens[0]:
+            self.thinking = True
+        elif token == self.thinking_tokens[1]:
+            self.thinking = False
+
     def append_token(self, token: int) -> None:
         """Add one generated token and finish the request if it ends generation."""
         self.token_ids.append(token)
+        self._track_thinking(token)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.perf_counter()
         if token in self.stop_ids:

@@ -77,14 +77,38 @@ class LLMEngine:
                                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                                    max_model_len=max_len), self.pool,
                                    num_lookahead_slots=max(0, d - 1))
+        self.thinking_tokens = self._thinking_tokens()
         if self.head is None:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         else:
-            self.runner = SpecDecodeRunner(self.model, self.head, self.kv_cache, self.device, d,
-                                           self.spec_config.forced_acceptance)
+            self.runner = SpecDecodeRunner(self.model, self.head, self.kv_cache, self.device, self.spec_config,
+                                           self.thinking_tokens)
         self.spec_stats = SpecStats()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _thinking_tokens(self) -> tuple[int, int]:
+        """Ids of the begin/end thinking-phase tokens (-1 when not configured)."""
+        spec = self.spec_config
+        if spec is None:
+            return (-1, -1)
+        return tuple(self._token_id(getattr(spec, f), f) for f in ("begin_thinking_phase_token",
+                                                                    "end_thinking_phase_token"))
+
+    def _token_id(self, value: int | str | None, field: str) -> int:
+        if value is None:
+            return -1
+        if isinstance(value, int):
+            if not 0 <= value < self.model_config.vocab_size:
+                raise ValueError(f"{field}={value} is outside the vocabulary")
+            return value
+        tid = self.tokenizer.hf.convert_tokens_to_ids(value)
+        if isinstance(tid, int) and tid != self.tokenizer.hf.unk_token_id and tid >= 0:
+            return tid
+        ids = self.tokenizer.encode(value)
+        if len(ids) != 1:
+            raise ValueError(f"{field}={value!r} is {len(ids)} tokens for this tokenizer; it must be exactly one")
+        return ids[0]
 
     # ------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -115,7 +139,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         max_total = self.max_model_len if params.max_tokens is None else min(self.max_model_len,
                                                                             len(ids) + params.max_tokens)
-        req = Request(rid, text, ids, params, max_total, self.model_config.eos_token_ids)
+        req = Request(rid, text, ids, params, max_total, self.model_config.eos_token_ids, self.thinking_tokens)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -154,9 +178,8 @@ class LLMEngine:
             # the step's text after stop strings: a stop string completed by a later token of this step
             # also cuts the text that earlier tokens of the same step added
             delta = req.output_text[text_before:]
-            # drafts that could only land past the request's last allowed token are not verified; sampled
-            # requests cannot accept drafts yet (greedy acceptance only), so they verify none
-            room = max(0, req.max_total_tokens - req.num_tokens - 1) if req.params.greedy else 0
+            # drafts that could only land past the request's last allowed token are not verified
+            room = max(0, req.max_total_tokens - req.num_tokens - 1)
             req.spec_token_ids = [] if req.finished else res.drafts[:room]
             req.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
             self.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))

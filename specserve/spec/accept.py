@@ -1,42 +1,142 @@
-"""Acceptance of drafts against the target's tokens, on the device (no host sync).
+"""Acceptance of drafts against the target, on the device (no host sync).
 
-Vocabulary (after vLLM's rejection sampler): *drafts* are the head's proposals; a draft is *accepted*
-while it equals the target's token at its position; the *bonus* token is the target's token at the first
-position that was not accepted (or after the last draft when all were accepted). Emitted tokens are the
-accepted drafts followed by the bonus: 1 <= emitted <= D + 1.
+Vocabulary (after vLLM's rejection sampler): *drafts* are the head's proposals (argmax, so the draft
+distribution q is one-hot); a draft is *accepted* by the row's rule; the *bonus* token comes from the
+target at the first position that was not accepted (or after the last draft when all were). Emitted
+tokens are the accepted drafts followed by the bonus: 1 <= emitted <= D + 1.
+
+Rules, per row and per verified position:
+- greedy (temperature 0): accept while the draft equals the target's argmax; the bonus is the argmax.
+  Output equals non-speculative greedy decoding.
+- sampled (lossless speculative sampling with one-hot q): accept draft x with probability p(x) under the
+  row's processed distribution (temperature, top-k, top-p, min-p); on the first rejection the bonus is
+  drawn from p with x removed and renormalised; after all accepted, from p at the last position. The
+  output distribution equals non-speculative sampling.
+- relaxed (thinking phase only, opt-in): accept x if it is the argmax, or if delta > 0, x is among the
+  ``relaxed_topk`` most likely tokens and p(x) >= p(top1) - delta; the bonus is the top-1. The phase at
+  each position follows the begin/end thinking tokens among the accepted drafts, in order.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 
-def greedy_accept(
-    target: torch.Tensor,
+_ACCEPT_SALT = 0x5BD1E995  # keeps acceptance draws independent of the sampling noise at the same index
+
+
+@dataclass
+class AcceptInputs:
+    """Per-row acceptance settings on the device (B rows)."""
+
+    sampling: SamplingTensors  # rows = B; offsets = index of the first token this step emits
+    greedy: torch.Tensor  # [B] bool
+    can_accept: torch.Tensor  # [B] bool: the row verifies drafts this step
+    relaxed: torch.Tensor  # [B] bool: relaxed acceptance enabled for the row
+    relaxed_topk: torch.Tensor  # [B] int64
+    relaxed_delta: torch.Tensor  # [B] float32
+    thinking: torch.Tensor  # [B] bool: in the thinking phase after the row's last known token
+    begin_token: int = -1
+    end_token: int = -1
+    simple_greedy: bool = False  # host-known: every row greedy and none relaxed (skip the distribution work)
+    remove_rejected: bool = True  # tests only: False gives a deliberately biased sampler
+
+
+def thinking_states(drafts: torch.Tensor, thinking0: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """Phase before each verified position [B, D+1]: position 0 follows the last known token, position j
+    follows drafts 1..j (the last begin/end token among them wins)."""
+    b, d = drafts.shape
+    if begin < 0 and end < 0:
+        return thinking0[:, None].expand(b, d + 1)
+    event = torch.where(drafts == begin, 1, torch.where(drafts == end, 0, -1))  # [B, D]
+    cols = torch.arange(d, device=drafts.device)
+    last = torch.where(event >= 0, cols, -1).cummax(dim=1).values  # [B, D] index of the latest event
+    after = torch.where(last >= 0, event.gather(1, last.clamp(min=0)) == 1, thinking0[:, None])
+    return torch.cat((thinking0[:, None], after), dim=1)
+
+
+def _uniform_scalar(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """seeds [B], offsets [B, D] -> uniform (0, 1) [B, D], independent of ``uniform_noise``."""
+    h = hash32((hash32((seeds[:, None] ^ _ACCEPT_SALT) & 0xFFFFFFFF) ^ (offsets * 0x2545F491 & 0xFFFFFFFF))
+               & 0xFFFFFFFF)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def accept(
+    logits: torch.Tensor,
     drafts: torch.Tensor,
     num_drafts: torch.Tensor,
-    can_accept: torch.Tensor,
+    a: AcceptInputs,
     forced: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest-prefix acceptance.
-
-    target [B, D+1] int64: the target's token at each verified position (argmax for greedy rows).
-    drafts [B, D] int64: drafts verified this step (entries past ``num_drafts`` are ignored).
-    num_drafts [B] int64: drafts each row verifies (0 for rows that verify none).
-    can_accept [B] bool: rows allowed to accept drafts (False rows take the target token at position 0).
-    forced: accept exactly ``min(forced, num_drafts)`` drafts whatever they are (breaks losslessness).
+    """logits [B, D+1, V] float32 at the verified positions; drafts [B, D]; num_drafts [B].
 
     Returns (accepted [B] int64, emitted [B, D+1] int64); row r emits ``emitted[r, :accepted[r] + 1]``.
+    ``forced`` accepts exactly min(forced, num_drafts) drafts whatever they are (breaks losslessness).
     """
-    d = drafts.shape[1]
-    cols = torch.arange(d, device=drafts.device)
-    valid = (cols[None, :] < num_drafts[:, None]) & can_accept[:, None]  # [B, D]
+    b, d1, v = logits.shape
+    d = d1 - 1
+    cols = torch.arange(d, device=logits.device)
+    rows = torch.arange(b, device=logits.device)
+    valid = (cols[None, :] < num_drafts[:, None]) & a.can_accept[:, None]  # [B, D]
+    argmax = logits.argmax(dim=-1)  # [B, D+1]: also the argmax of every processed distribution
+    greedy_ok = drafts == argmax[:, :d]
+    if a.simple_greedy:
+        ok = greedy_ok & valid
+        accepted = _prefix(ok) if forced is None else torch.minimum(torch.full_like(num_drafts, forced),
+                                                                   num_drafts * a.can_accept)
+        return accepted, _emit(drafts, argmax[rows, accepted], accepted)
+
+    n = a.sampling.temperature.shape[0]
+    rep = SamplingTensors(*(x.repeat_interleave(d1) for x in (a.sampling.temperature, a.sampling.top_k,
+                                                               a.sampling.top_p, a.sampling.min_p,
+                                                               a.sampling.seeds, a.sampling.offsets)),
+                          all_greedy=False, needs_filter=a.sampling.needs_filter)
+    assert n == b
+    logp = processed_logits(logits.reshape(b * d1, v), rep).view(b, d1, v).log_softmax(dim=-1)
+    lp_draft = logp[:, :d].gather(-1, drafts[..., None]).squeeze(-1)  # [B, D]
+    offsets = a.sampling.offsets[:, None] + cols[None, :]  # output index of the token at each position
+    sampled_ok = _uniform_scalar(a.sampling.seeds, offsets).log() < lp_draft
+
+    state = thinking_states(drafts, a.thinking, a.begin_token, a.end_token)  # [B, D+1]
+    top1 = logp.max(dim=-1).values  # [B, D+1]
+    kmax = int(a.relaxed_topk.max().clamp(min=1, max=v)) if d > 0 else 1
+    kth = logp[:, :d].topk(kmax, dim=-1).values.gather(
+        -1, (a.relaxed_topk.clamp(1, kmax) - 1)[:, None, None].expand(b, d, 1)).squeeze(-1)  # [B, D]
+    delta = a.relaxed_delta[:, None]
+    relaxed_ok = greedy_ok | ((delta > 0) & (lp_draft >= kth) & (lp_draft.exp() >= top1[:, :d].exp() - delta))
+    use_relaxed = a.relaxed[:, None] & state[:, :d]
+    ok = torch.where(use_relaxed, relaxed_ok, torch.where(a.greedy[:, None], greedy_ok, sampled_ok)) & valid
     if forced is None:
-        match = (drafts == target[:, :d]) & valid
-        accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        accepted = _prefix(ok)
+        rejected = accepted < num_drafts * a.can_accept  # a draft at position `accepted` was turned down
     else:
-        accepted = torch.minimum(torch.full_like(num_drafts, forced), num_drafts * can_accept)
-    take_draft = cols[None, :] < accepted[:, None]  # [B, D]
-    emitted = target.clone()
-    emitted[:, :d] = torch.where(take_draft, drafts, target[:, :d])
-    return accepted, emitted
+        accepted = torch.minimum(torch.full_like(num_drafts, forced), num_drafts * a.can_accept)
+        rejected = torch.zeros_like(a.greedy)
+
+    # bonus token at position `accepted`
+    lp_b = logp[rows, accepted]  # [B, V]
+    x = drafts[rows, accepted.clamp(max=max(d - 1, 0))] if d > 0 else torch.zeros_like(accepted)
+    if a.remove_rejected:
+        lp_b = torch.where((rejected[:, None]) & (torch.arange(v, device=x.device)[None, :] == x[:, None]),
+                           torch.full_like(lp_b, float("-inf")), lp_b)
+    noise = uniform_noise(a.sampling.seeds, a.sampling.offsets + accepted, v)
+    sampled_bonus = (lp_b - torch.log(-torch.log(noise))).argmax(dim=-1)
+    relaxed_here = a.relaxed & state[rows, accepted]
+    bonus = torch.where(a.greedy | relaxed_here, argmax[rows, accepted], sampled_bonus)
+    return accepted, _emit(drafts, bonus, accepted)
+
+
+def _prefix(ok: torch.Tensor) -> torch.Tensor:
+    return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def _emit(drafts: torch.Tensor, bonus: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """[B, D+1]: accepted drafts, the bonus at index ``accepted``, then the bonus again (unused)."""
+    b, d = drafts.shape
+    cols = torch.arange(d + 1, device=drafts.device)
+    padded = torch.cat((drafts, bonus[:, None]), dim=1)
+    return torch.where(cols[None, :] < accepted[:, None], padded, bonus[:, None])

@@ -25,9 +25,15 @@ class SpeculativeConfig:
         MTP-Eagle when the checkpoint has fewer modules than D, vanilla otherwise.
       forced_acceptance: performance experiments only. Accept exactly this many drafts every step,
         whatever they are. BREAKS LOSSLESSNESS: outputs are no longer the target's.
+      use_relaxed_acceptance_for_thinking: inside a reasoning model's thinking phase, accept a draft that
+        is among the ``relaxed_topk`` most likely tokens with probability >= top-1 - ``relaxed_delta``
+        (lossy by design, opt-in; requests can override these three per request). Outside the phase,
+        acceptance stays lossless.
+      begin_thinking_phase_token / end_thinking_phase_token: token ids, or strings that the tokenizer turns
+        into exactly one token, that open and close the thinking phase (in the prompt or the output).
 
-    Later issues add tree drafting (``dynamic_tree_max_topK``, ``max_total_draft_tokens``), sampled and
-    relaxed acceptance, and a draft-length schedule; they become fields here.
+    Later issues add tree drafting (``dynamic_tree_max_topK``, ``max_total_draft_tokens``) and a
+    draft-length schedule; they become fields here.
     """
 
     method: str = "eagle3"
@@ -36,8 +42,19 @@ class SpeculativeConfig:
     eagle3_layers_to_capture: tuple[int, ...] | None = None
     mtp_eagle: bool | None = None
     forced_acceptance: int | None = None
+    use_relaxed_acceptance_for_thinking: bool = False
+    relaxed_topk: int = 1
+    relaxed_delta: float = 0.0
+    begin_thinking_phase_token: int | str | None = None
+    end_thinking_phase_token: int | str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.relaxed_topk, int) or self.relaxed_topk < 1:
+            raise ValueError(f"relaxed_topk must be an integer >= 1, got {self.relaxed_topk!r}")
+        if not 0.0 <= float(self.relaxed_delta) <= 1.0:
+            raise ValueError(f"relaxed_delta must be in [0, 1], got {self.relaxed_delta!r}")
+        if self.use_relaxed_acceptance_for_thinking and self.begin_thinking_phase_token is None:
+            raise ValueError("use_relaxed_acceptance_for_thinking needs begin_thinking_phase_token")
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; use one of {METHODS}")
         if not isinstance(self.max_draft_len, int) or not 1 <= self.max_draft_len <= 16:

@@ -23,22 +23,28 @@ import torch
 from specserve.cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.model_runner import ModelRunner, RowResult, _Staging
-from specserve.runner.sampler import SamplingTensors, sample
+from specserve.runner.sampler import SamplingTensors
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec.accept import greedy_accept
+from specserve.spec.accept import AcceptInputs, accept
+from specserve.spec.config import SpeculativeConfig
 from specserve.spec.heads import DraftHead, DraftInputs
 
 
 class SpecDecodeRunner(ModelRunner):
+    # tests only: False makes sampled acceptance keep a rejected draft in the bonus distribution (biased)
+    remove_rejected = True
+
     def __init__(self, model: LlamaForCausalLM, head: DraftHead, kv_cache: KVCache, device: torch.device,
-                 num_drafts: int, forced_acceptance: int | None = None) -> None:
+                 spec: SpeculativeConfig, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         super().__init__(model, kv_cache, device)
         n = model.config.num_hidden_layers
         self.head = head
         self.head_kv = kv_cache.layer_views()[n:n + head.num_kv_layers]
-        self.num_drafts = num_drafts
-        self.forced = forced_acceptance
-        self.table_lookahead = num_drafts - 1  # the draft loop writes up to last_pos + D - 1
+        self.spec = spec
+        self.num_drafts = spec.max_draft_len
+        self.forced = spec.forced_acceptance
+        self.thinking_tokens = thinking_tokens
+        self.table_lookahead = self.num_drafts - 1  # the draft loop writes up to last_pos + D - 1
         self._spec_ints = _Staging(torch.int64, device)
         self._spec_floats = _Staging(torch.float32, device)
 
@@ -47,16 +53,17 @@ class SpecDecodeRunner(ModelRunner):
         sched = batch.scheduled
         b, d = len(sched), self.num_drafts
         w = q + d + 2
-        sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w]
+        sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w, b, b, b, b]
         names = ["verify_idx", "drafts", "num_drafts", "can_accept", "sample_row", "base_col", "t0", "start",
-                 "seeds", "offsets", "ext"]
+                 "seeds", "offsets", "ext", "greedy", "relaxed", "relaxed_topk", "thinking"]
         buf = self._spec_ints.reserve(sum(sizes))
         offs = np.cumsum([0] + sizes)
         a = {k: buf[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
         a["drafts"][:] = 0
         a["ext"][:] = 0
         vidx, drafts, ext = a["verify_idx"].reshape(b, d + 1), a["drafts"].reshape(b, d), a["ext"].reshape(b, w)
-        fl = self._spec_floats.reserve(3 * b)
+        fl = self._spec_floats.reserve(4 * b)
+        cfg = self.spec
         topk = np.empty(b, dtype=np.int64)
         t0 = 0
         for i, s in enumerate(sched):
@@ -66,7 +73,13 @@ class SpecDecodeRunner(ModelRunner):
             drafts[i, :nd] = req.spec_token_ids[:nd]
             sp = req.params
             a["num_drafts"][i] = nd
-            a["can_accept"][i] = s.sample and sp.greedy
+            a["can_accept"][i] = s.sample
+            a["greedy"][i] = sp.greedy
+            relaxed = cfg.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None else sp.relaxed_acceptance
+            a["relaxed"][i] = relaxed
+            a["relaxed_topk"][i] = sp.relaxed_topk if sp.relaxed_topk is not None else cfg.relaxed_topk
+            fl[3 * b + i] = sp.relaxed_delta if sp.relaxed_delta is not None else cfg.relaxed_delta
+            a["thinking"][i] = req.thinking
             a["sample_row"][i] = s.sample
             a["base_col"][i], a["t0"][i], a["start"][i] = n - 1 - nd, t0, s.start
             a["seeds"][i], a["offsets"][i] = req.seed, req.num_output_tokens
@@ -81,18 +94,21 @@ class SpecDecodeRunner(ModelRunner):
             t0 += n
         dev = self._spec_ints.upload(int(offs[-1]))
         t = {k: dev[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
-        fdev = self._spec_floats.upload(3 * b)
-        reps = d + 1
-        col = torch.arange(reps, device=self.device)
+        fdev = self._spec_floats.upload(4 * b)
         sampling = SamplingTensors(
-            temperature=fdev[:b].repeat_interleave(reps), top_p=fdev[b:2 * b].repeat_interleave(reps),
-            min_p=fdev[2 * b:].repeat_interleave(reps),
-            top_k=torch.from_numpy(topk).to(self.device).repeat_interleave(reps),
-            seeds=t["seeds"].repeat_interleave(reps), offsets=(t["offsets"][:, None] + col).reshape(-1),
+            temperature=fdev[:b], top_p=fdev[b:2 * b], min_p=fdev[2 * b:3 * b],
+            top_k=torch.from_numpy(topk).to(self.device), seeds=t["seeds"], offsets=t["offsets"],
             all_greedy=all(s.request.params.greedy for s in sched),
             needs_filter=any(s.request.params.needs_filter for s in sched),
         )
-        return t, sampling, w
+        any_relaxed = bool(a["relaxed"].any())
+        acc = AcceptInputs(
+            sampling=sampling, greedy=t["greedy"].bool(), can_accept=t["can_accept"].bool(),
+            relaxed=t["relaxed"].bool(), relaxed_topk=t["relaxed_topk"], relaxed_delta=fdev[3 * b:4 * b],
+            thinking=t["thinking"].bool(), begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1],
+            simple_greedy=sampling.all_greedy and not any_relaxed, remove_rejected=self.remove_rejected,
+        )
+        return t, acc, w
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
@@ -100,15 +116,13 @@ class SpecDecodeRunner(ModelRunner):
         sched = batch.scheduled
         b, d = len(sched), self.num_drafts
         q = inp.meta.query_index.shape[1]
-        t, sampling, w = self._spec_inputs(batch, q)
+        t, acc_in, w = self._spec_inputs(batch, q)
         hidden, aux = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views,
                                  aux_layers=self.head.aux_layers)
         # verify + accept
-        logits = self.model.compute_logits(hidden[t["verify_idx"]])  # [B*(D+1), V]
-        target = sample(logits, sampling).view(b, d + 1)
-        can_accept = t["can_accept"].bool()
+        logits = self.model.compute_logits(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
         sample_row = t["sample_row"].bool()
-        accepted, emitted = greedy_accept(target, t["drafts"].view(b, d), t["num_drafts"], can_accept, self.forced)
+        accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced)
         # draft
         rows = torch.arange(b, device=self.device)
         last_col = t["base_col"] + accepted  # [B]
