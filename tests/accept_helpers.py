@@ -23,7 +23,7 @@ def inputs(b: int, can=None, temperature=0.0, seeds=None, offsets=None, relaxed=
     return AcceptInputs(
         sampling=sampling, greedy=temp == 0, can_accept=col(True, torch.bool) if can is None else can,
         relaxed=relaxed_t, relaxed_topk=col(topk, torch.int64), relaxed_delta=col(float(delta), torch.float32),
-        thinking=col(thinking, torch.bool), begin_token=begin, end_token=end,
+        thinking=col(thinking, torch.bool), begin_token=begin, end_token=end, max_topk=int(topk),
         simple_greedy=bool((temp == 0).all()) and not bool(relaxed_t.any()), remove_rejected=remove_rejected)
 
 

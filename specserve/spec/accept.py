@@ -41,6 +41,7 @@ class AcceptInputs:
     thinking: torch.Tensor  # [B] bool: in the thinking phase after the row's last known token
     begin_token: int = -1
     end_token: int = -1
+    max_topk: int = 1  # host-known: the largest relaxed_topk of the batch (no device read)
     simple_greedy: bool = False  # host-known: every row greedy and none relaxed (skip the distribution work)
     remove_rejected: bool = True  # tests only: False gives a deliberately biased sampler
 
@@ -103,7 +104,7 @@ def accept(
 
     state = thinking_states(drafts, a.thinking, a.begin_token, a.end_token)  # [B, D+1]
     top1 = logp.max(dim=-1).values  # [B, D+1]
-    kmax = int(a.relaxed_topk.max().clamp(min=1, max=v)) if d > 0 else 1
+    kmax = max(1, min(a.max_topk, v))
     kth = logp[:, :d].topk(kmax, dim=-1).values.gather(
         -1, (a.relaxed_topk.clamp(1, kmax) - 1)[:, None, None].expand(b, d, 1)).squeeze(-1)  # [B, D]
     delta = a.relaxed_delta[:, None]

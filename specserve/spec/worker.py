@@ -106,7 +106,8 @@ class SpecDecodeRunner(ModelRunner):
             sampling=sampling, greedy=t["greedy"].bool(), can_accept=t["can_accept"].bool(),
             relaxed=t["relaxed"].bool(), relaxed_topk=t["relaxed_topk"], relaxed_delta=fdev[3 * b:4 * b],
             thinking=t["thinking"].bool(), begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1],
-            simple_greedy=sampling.all_greedy and not any_relaxed, remove_rejected=self.remove_rejected,
+            max_topk=int(a["relaxed_topk"].max()), simple_greedy=sampling.all_greedy and not any_relaxed,
+            remove_rejected=self.remove_rejected,
         )
         return t, acc, w
 
