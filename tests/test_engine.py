@@ -5,19 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from tiny_models import make_hf_model
+from tiny_models import PROMPTS, make_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-PROMPTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens",
-    "def main(): return 42",
-    "Paged attention keeps keys and values in blocks. Hello world! 0123456789 and more text here",
-    "fox",
-    "tabs\tand newlines\n and code",
-    "The target verifies them. The quick brown fox",
-    "0123456789 0123456789 0123456789",
-]
 
 
 @pytest.fixture(scope="module")

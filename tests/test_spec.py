@@ -11,20 +11,10 @@ from safetensors.torch import save_file
 from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.spec.accept import accept as accept_rows
 from accept_helpers import greedy_inputs
-from specserve.spec.checkpoint import bind_head, load_draft_head
+from specserve.spec.checkpoint import load_draft_head
 from specserve.spec.heads import DraftHead, DraftInputs
-from tiny_models import make_head, make_hf_model
+from tiny_models import PROMPTS, make_head, make_hf_model
 
-PROMPTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens",
-    "def main(): return 42",
-    "Paged attention keeps keys and values in blocks. Hello world! 0123456789 and more text here",
-    "fox",
-    "tabs\tand newlines\n and code",
-    "The target verifies them. The quick brown fox",
-    "0123456789 0123456789 0123456789",
-]
 N_OUT = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
 

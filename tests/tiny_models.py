@@ -14,6 +14,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# prompts of varied lengths for engine tests on the tiny models
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens",
+    "def main(): return 42",
+    "Paged attention keeps keys and values in blocks. Hello world! 0123456789 and more text here",
+    "fox",
+    "tabs\tand newlines\n and code",
+    "The target verifies them. The quick brown fox",
+    "0123456789 0123456789 0123456789",
+]
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and the target "
     "verifies them. Paged attention keeps keys and values in blocks. Hello world! 0123456789 "

@@ -6,7 +6,6 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import torch
 
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
 from specserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
