@@ -21,6 +21,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step; longer prompts are prefilled in chunks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
     sp = p.add_argument_group("speculative decoding")
@@ -61,7 +62,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                 kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
-                speculative_config=spec)
+                num_kv_blocks=a.num_kv_blocks, speculative_config=spec)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--stats", action="store_true", help="print speed and speculation statistics to stderr")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model's name)")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
+    sv.add_argument("-v", "--verbose", action="store_true")
 
     tr = sub.add_parser("train-draft", help="train an EAGLE-3 or MTP-Eagle draft head for a target model")
     tr.add_argument("--target", default=None, help="target model (HF folder or .gguf; default: the embedded model)")
@@ -179,7 +188,39 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_generate(a)
     if a.command == "train-draft":
         return cmd_train(a)
+    if a.command == "serve":
+        return cmd_serve(a)
     return 2
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import contextlib
+
+    import uvicorn
+
+    from specserve import LLMEngine
+    from specserve.engine.llm_engine import EngineArgs
+    from specserve.server.app import build_app
+    from specserve.server.async_engine import AsyncEngine
+
+    try:
+        engine = LLMEngine(EngineArgs(model=a.model, **_engine_kwargs(a)))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    name = a.served_model_name or engine.model_path.name.removesuffix(".gguf")
+    async_engine = AsyncEngine(engine, max_queue=a.max_queue)
+    app = build_app(async_engine, name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        async_engine.shutdown()  # after uvicorn has drained in-flight requests (SIGTERM/SIGINT)
+
+    app.router.lifespan_context = lifespan
+    print(f"specserve: serving {name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=30)
+    return 0
 
 
 def cmd_train(a: argparse.Namespace) -> int:

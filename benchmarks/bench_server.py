@@ -1,0 +1,113 @@
+"""Load test of ``specserve serve``: requests/s, TTFT and TPOT percentiles at several concurrency levels,
+with speculation on and off. Starts the server as a subprocess for each setting, streams chat completions
+(greedy, EOS ignored, fixed length) from the chat prompts in ``prompts.py``.
+
+    python benchmarks/bench_server.py --concurrency 1 4 16 --requests 32 --max-tokens 64 [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from prompts import CHATS  # benchmarks/prompts.py
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def start(args, spec: bool):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(port), "--device", args.device]
+    if args.model:
+        cmd += ["--model", args.model]
+    if not spec:
+        cmd += ["--no-spec"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def one(http, base, prompt, max_tokens):
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first, n = None, 0
+    async with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                first = first or time.perf_counter()
+                n += 1
+    end = time.perf_counter()
+    return first - t0, (end - first) / max(1, n - 1), end - t0
+
+
+async def level(base, conc, requests, max_tokens):
+    sem = asyncio.Semaphore(conc)
+    async with httpx.AsyncClient(timeout=600) as http:
+        async def guarded(i):
+            async with sem:
+                return await one(http, base, CHATS[i % len(CHATS)], max_tokens)
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(guarded(i) for i in range(requests)))
+        wall = time.perf_counter() - t0
+    ttft, tpot, _ = zip(*res)
+    return dict(concurrency=conc, requests=requests, req_per_s=requests / wall,
+                tokens_per_s=requests * max_tokens / wall,
+                ttft_ms={q: pct(ttft, q) * 1e3 for q in (50, 90, 99)},
+                tpot_ms={q: pct(tpot, q) * 1e3 for q in (50, 90, 99)}, median_ttft_ms=statistics.median(ttft) * 1e3)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    rows = []
+    for spec in (False, True):
+        proc, base = start(a, spec)
+        try:
+            asyncio.run(level(base, 2, 2, 8))  # warm-up
+            for c in a.concurrency:
+                r = dict(spec=spec, **asyncio.run(level(base, c, a.requests, a.max_tokens)))
+                rows.append(r)
+                print(f"spec={spec!s:<5} conc={c:<3} {r['req_per_s']:.2f} req/s {r['tokens_per_s']:.1f} tok/s "
+                      f"TTFT p50/p90/p99 {r['ttft_ms'][50]:.0f}/{r['ttft_ms'][90]:.0f}/{r['ttft_ms'][99]:.0f} ms "
+                      f"TPOT {r['tpot_ms'][50]:.1f}/{r['tpot_ms'][90]:.1f}/{r['tpot_ms'][99]:.1f} ms", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d"), device=a.device, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""OpenAI-compatible HTTP API on FastAPI: completions and chat completions (streaming or not), models,
+health and Prometheus metrics. Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.sampling_params import SamplingParams
+from specserve.server.async_engine import AsyncEngine, QueueFull, usage_of
+from specserve.server.metrics import ServerMetrics
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+_NUM = (int, float)
+
+
+def _field(body: dict, name: str, types, default=None):
+    v = body.get(name, default)
+    if v is None:
+        return v
+    if not isinstance(v, types) or (isinstance(v, bool) and types is not bool):
+        raise APIError(400, f"'{name}' has the wrong type ({type(v).__name__})", param=name)
+    return v
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    """OpenAI request fields (and specserve's extensions) -> SamplingParams; 400 on bad values."""
+    n = _field(body, "n", int, 1)
+    if n != 1:
+        raise APIError(400, "only n=1 is supported", param="n")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise APIError(400, "logprobs are not supported yet", param="logprobs")
+    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int, 16)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and
+                                                          all(isinstance(s, str) for s in stop))):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+    try:
+        return SamplingParams(
+            temperature=float(_field(body, "temperature", _NUM, 1.0)), top_p=float(_field(body, "top_p", _NUM, 1.0)),
+            top_k=_field(body, "top_k", int, -1), min_p=float(_field(body, "min_p", _NUM, 0.0)),
+            seed=_field(body, "seed", int), max_tokens=max_tokens, stop=stop,
+            stop_token_ids=_field(body, "stop_token_ids", list, []) or [],
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            relaxed_acceptance=_field(body, "relaxed_acceptance", bool),
+            relaxed_topk=_field(body, "relaxed_topk", int), relaxed_delta=_field(body, "relaxed_delta", _NUM),
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    app = FastAPI(title="specserve")
+    metrics = ServerMetrics(engine.engine)
+    tokenizer = engine.engine.tokenizer
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, e: APIError):
+        metrics.rejected.labels(e.code or str(e.status)).inc()
+        return e.response()
+
+    async def _body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "specserve"}]}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt")
+        return await _serve(request, body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _body(request)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        try:
+            prompt = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs])
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return await _serve(request, body, prompt, chat=True)
+
+    async def _serve(request: Request, body: dict, prompt, chat: bool):
+        params = sampling_params(body)
+        stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        gen = engine.generate(prompt, params)
+        try:
+            first = await gen.__anext__()
+        except QueueFull as e:
+            raise APIError(429, str(e), code="queue_full", kind="rate_limit_error") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+
+        def choice(out, delta: bool):
+            text = out.delta_text if delta else out.text
+            fin = out.finish_reason if out.finished else None
+            if chat:
+                key = "delta" if delta else "message"
+                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": fin,
+                        "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": fin, "logprobs": None}
+
+        if not stream:
+            out = first
+            if not out.finished:
+                async for out in gen:
+                    pass
+            metrics.observe_finished(out)
+            return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": [choice(out, False)],
+                    "usage": usage_of(out)}
+
+        async def sse():
+            out = first
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            try:
+                while True:
+                    payload = {"id": cid, "object": chunk_obj, "created": created, "model": model_name,
+                               "choices": [choice(out, True)]}
+                    if include_usage:
+                        payload["usage"] = None
+                    yield f"data: {json.dumps(payload)}\n\n"
+                    if out.finished:
+                        break
+                    out = await gen.__anext__()
+                metrics.observe_finished(out)
+                if include_usage:
+                    yield f"data: {json.dumps({'id': cid, 'object': chunk_obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage_of(out)})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()  # a client that went away aborts its request and frees its blocks
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return app

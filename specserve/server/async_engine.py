@@ -1,0 +1,148 @@
+"""An asyncio front for ``LLMEngine``: the engine steps in its own thread; requests and aborts reach it
+through a command queue, and each request's outputs come back on its own ``asyncio.Queue``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from specserve.core.request import RequestOutput
+from specserve.engine.llm_engine import LLMEngine
+from specserve.sampling_params import SamplingParams
+
+log = logging.getLogger("specserve")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server accepts."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._pending = 0  # submitted but not finished
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- called from the event loop ------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams):
+        """Async iterator of ``RequestOutput`` for one request; raises ValueError for bad input and
+        QueueFull when too many requests wait. Cancelling the iteration aborts the request."""
+        with self._lock:
+            if self._pending >= self.max_queue:
+                raise QueueFull(f"{self._pending} requests in flight; the server admits {self.max_queue}")
+            self._pending += 1
+        rid = f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(("add", rid, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", rid))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            block = not eng.has_unfinished_requests()
+            while True:
+                try:
+                    cmd = self._commands.get(block=block, timeout=0.05 if block else None)
+                except queue.Empty:
+                    break
+                block = False
+                self._handle(cmd)
+            if eng.has_unfinished_requests():
+                try:
+                    outs = eng.step()
+                except Exception as e:  # never leave clients hanging on an engine error
+                    log.exception("engine step failed")
+                    for rid in list(self._streams):
+                        eng.abort_request(rid)
+                        self._finish(rid, RuntimeError(f"engine error: {e}"))
+                    continue
+                for out in outs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            self._finish(out.request_id)
+        for rid in list(self._streams):  # shutting down: cancel what is left
+            eng.abort_request(rid)
+            self._finish(rid, RuntimeError("server shutting down"))
+
+    def _handle(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, stream = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except ValueError as e:
+                self._release()
+                stream.put(e)
+                return
+            self._streams[rid] = stream
+        elif kind == "abort":
+            rid = cmd[1]
+            if rid in self._streams:
+                self.engine.abort_request(rid)
+                del self._streams[rid]
+                self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    @property
+    def num_pending(self) -> int:
+        return self._pending
+
+    def _finish(self, rid: str, error: Exception | None = None) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            self._release()
+            if error is not None:
+                stream.put(error)
+
+
+def usage_of(out: RequestOutput) -> dict:
+    u = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+         "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+    if out.spec is not None:
+        u["spec"] = {"drafted": out.spec.num_drafted, "accepted": out.spec.num_accepted,
+                     "acceptance_length": out.spec.acceptance_length}
+    return u

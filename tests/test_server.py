@@ -1,0 +1,217 @@
+"""The OpenAI-compatible server, started as a subprocess on 127.0.0.1 with a random free port, on a tiny
+model with an EAGLE-3 head: the real ``openai`` client, bad requests, and a load with disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specserve import LLM, SamplingParams
+from tiny_models import PROMPTS, make_head, make_hf_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(dirs, *extra) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(dirs / "t"), "--draft", str(dirs / "h"),
+           "--draft-len", "3", "--device", "cpu", "--num-kv-blocks", "400", "--port", str(port),
+           "--served-model-name", "tiny", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    make_hf_model(root / "t", "llama", initializer_range=0.4, num_hidden_layers=8)
+    make_head(root / "h", root / "t", "eagle3", draft_vocab=150, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    proc, base = start(dirs, "--max-queue", "200")
+    yield base
+    proc.terminate()  # SIGTERM: graceful shutdown (uvicorn re-raises the signal once it has drained)
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def offline(dirs):
+    return LLM(str(dirs / "t"), device="cpu", dtype="float32", num_kv_blocks=400,
+               speculative_config=dict(method="eagle3", draft_model=str(dirs / "h"), max_draft_len=3))
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+
+
+def test_completions_match_offline_greedy(client, offline):
+    for p in PROMPTS[:3]:
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        ref = offline.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        assert r.choices[0].text == ref.text
+        assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+        assert r.usage.model_extra["spec"]["drafted"] > 0
+
+
+def test_chat_streaming_and_not(client, offline):
+    msgs = [{"role": "user", "content": "Hello world"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    ids = offline.tokenizer.apply_chat_template(msgs)
+    ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10))[0]
+    assert full.choices[0].message.content == ref.text
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+
+
+def test_stop_strings_max_tokens_and_seeds(client):
+    base = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[4:7]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == base[:base.index(stop)] and r.choices[0].finish_reason == "stop"
+    a, b, c = (client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=s,
+                                         extra_body={"ignore_eos": True}).choices[0].text for s in (7, 7, 8))
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ("{not json", 400, "not valid JSON"),
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}), 404, "does not exist"),
+    (json.dumps({"prompt": "hi", "temperature": -1}), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "n": 2}), 400, "n=1"),
+    (json.dumps({"prompt": "hi", "top_p": "high"}), 400, "top_p"),
+    (json.dumps({"prompt": ""}), 400, "empty"),
+    (json.dumps({"prompt": [5] * 1000}), 400, "context"),
+    (json.dumps({"prompt": 5}), 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, needle):
+    r = httpx.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).choices[0].text is not None
+
+
+def test_chat_needs_messages(server):
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": "hello"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def metrics(server) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(server + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_load_with_disconnects_frees_every_block(server, offline):
+    async def one(http, i, cancel):
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        text, finish = "", None
+        async with http.stream("POST", server + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])["choices"][0]
+                text += ch["text"]
+                finish = ch["finish_reason"] or finish
+                if cancel and text:
+                    return None  # leave mid-stream: the server must abort the request
+        return i, text, finish
+
+    async def run():
+        rng = random.Random(0)
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(one(http, i, rng.random() < 0.3) for i in range(64)))
+
+    results = asyncio.run(run())
+    done = [r for r in results if r is not None]
+    assert 20 < len(done) < 64
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    refs = {i: offline.generate(PROMPTS[i], sp)[0].text for i in range(len(PROMPTS))}
+    for i, text, finish in done:
+        assert finish == "length" and text == refs[i % len(PROMPTS)]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = metrics(server)
+        if m[("specserve_num_requests_running", ())] == 0 and m[("specserve_kv_cache_usage_ratio", ())] == 0:
+            break
+        time.sleep(0.2)
+    assert m[("specserve_kv_cache_usage_ratio", ())] == 0
+    assert m[("specserve_num_requests_waiting", ())] == 0
+    assert m[("specserve_requests_total", (("finish_reason", "length"),))] >= len(done)
+    assert m[("specserve_spec_draft_tokens", ())] > 0
+
+
+def test_queue_limit_answers_429(dirs):
+    proc, base = start(dirs, "--max-queue", "2")
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as http:
+                body = {"prompt": "hello", "max_tokens": 64, "ignore_eos": True}
+                return await asyncio.gather(*(http.post(base + "/v1/completions", json=body) for _ in range(12)))
+
+        codes = [r.status_code for r in asyncio.run(run())]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        assert httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        # SIGTERM while a request is in flight: it still completes, then the server exits
+        got = {}
+        t = threading.Thread(target=lambda: got.update(r=httpx.post(
+            base + "/v1/completions", json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True}, timeout=60)))
+        t.start()
+        time.sleep(0.5)
+        proc.terminate()
+        t.join(timeout=60)
+        assert got["r"].status_code == 200 and got["r"].json()["usage"]["completion_tokens"] == 200
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
