@@ -51,15 +51,19 @@ def start(args, spec: bool):
 
 async def one(http, base, prompt, max_tokens):
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, n = None, 0
     async with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 first = first or time.perf_counter()
-                n += 1
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]  # a chunk can carry several accepted tokens
     end = time.perf_counter()
     return first - t0, (end - first) / max(1, n - 1), end - t0
 

@@ -192,6 +192,24 @@ def test_load_with_disconnects_frees_every_block(server, offline):
     assert m[("specserve_spec_draft_tokens", ())] > 0
 
 
+def test_non_streaming_client_that_hangs_up_is_cancelled(server):
+    key = ("specserve_requests_total", (("finish_reason", "length"),))
+    before = metrics(server).get(key, 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 480, "ignore_eos": True},
+                   timeout=0.5)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = metrics(server)
+        if m[("specserve_num_requests_running", ())] == 0:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+    m = metrics(server)
+    assert m[("specserve_num_requests_running", ())] == 0 and m[("specserve_kv_cache_usage_ratio", ())] == 0
+    assert m.get(key, 0) == before  # aborted, not run to its length
+
+
 def test_queue_limit_answers_429(dirs):
     proc, base = start(dirs, "--max-queue", "2")
     try:

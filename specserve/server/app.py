@@ -3,6 +3,7 @@ health and Prometheus metrics. Errors use OpenAI's body: ``{"error": {"message",
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -149,10 +150,20 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             return {"index": 0, "text": text, "finish_reason": fin, "logprobs": None}
 
         if not stream:
-            out = first
-            if not out.finished:
-                async for out in gen:
-                    pass
+            async def collect():
+                out = first
+                while not out.finished:
+                    out = await gen.__anext__()
+                return out
+
+            task = asyncio.ensure_future(collect())
+            while not task.done():  # a client that hangs up aborts its request (and frees its blocks)
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    await gen.aclose()
+                    return Response(status_code=499)
+            out = task.result()
             metrics.observe_finished(out)
             return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": [choice(out, False)],
                     "usage": usage_of(out)}
