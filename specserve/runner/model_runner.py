@@ -20,6 +20,23 @@ from specserve.runner.sampler import SamplingTensors, sample
 from specserve.scheduler.scheduler import SchedulerOutput
 
 
+def sampling_row(req, vocab_size: int) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
+    """One request's sampling parameters as host values: (top_k, seed, output index), (temperature, top_p, min_p)."""
+    sp = req.params
+    return ((sp.top_k if sp.top_k > 0 else vocab_size, req.seed, req.num_output_tokens),
+            (sp.temperature, sp.top_p, sp.min_p))
+
+
+def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor) -> SamplingTensors:
+    """ints = [top_k, seeds, offsets] device views [S]; floats = [temperature; top_p; min_p] device [3S]."""
+    n = len(reqs)
+    return SamplingTensors(
+        temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], top_k=ints[0], seeds=ints[1],
+        offsets=ints[2], all_greedy=all(r.params.greedy for r in reqs),
+        needs_filter=any(r.params.needs_filter for r in reqs),
+    )
+
+
 class _Staging:
     """A pinned host buffer and its device twin; ``upload(n)`` copies the first n elements."""
 
@@ -79,7 +96,9 @@ class ModelRunner:
         self._ints = _Staging(torch.int64, device)
         self._floats = _Staging(torch.float32, device)
 
-    def prepare(self, batch: SchedulerOutput) -> StepInputs:
+    def prepare(self, batch: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
+        """Device inputs of a step; ``with_sampling=False`` leaves out the per-row sampling parameters
+        (the speculative runner builds its own, for every row)."""
         sched = batch.scheduled
         bs = self.block_size
         b = len(sched)
@@ -87,7 +106,7 @@ class ModelRunner:
         q = max(s.num_tokens for s in sched)
         la = self.table_lookahead
         m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
-        samplers = [s for s in sched if s.sample]
+        samplers = [s for s in sched if s.sample] if with_sampling else []
         ns = len(samplers)
         sizes = [t, t, t, t, b * m, b * q, b * q, ns, ns, ns, ns]
         buf = self._ints.reserve(sum(sizes))
@@ -116,14 +135,10 @@ class ModelRunner:
             t0 += n
         fbuf = self._floats.reserve(3 * ns) if ns else None
         for j, s in enumerate(samplers):
-            req = s.request
-            sp = req.params
-            topk[j] = sp.top_k if sp.top_k > 0 else self.vocab_size
-            seeds[j] = req.seed
-            offsets[j] = req.num_output_tokens
-            fbuf[j], fbuf[ns + j], fbuf[2 * ns + j] = sp.temperature, sp.top_p, sp.min_p
+            (topk[j], seeds[j], offsets[j]), (fbuf[j], fbuf[ns + j], fbuf[2 * ns + j]) = \
+                sampling_row(s.request, self.vocab_size)
         ends = np.cumsum([s.num_tokens for s in sched]) - 1  # last flat token of each request
-        lidx[:] = [ends[i] for i, s in enumerate(sched) if s.sample]
+        lidx[:] = [ends[i] for i, s in enumerate(sched) if s.sample and with_sampling]
 
         dev = self._ints.upload(int(offs[-1]))
         d = [dev[offs[i]:offs[i + 1]] for i in range(len(sizes))]
@@ -134,12 +149,7 @@ class ModelRunner:
         )
         sampling = None
         if ns:
-            fdev = self._floats.upload(3 * ns)
-            sampling = SamplingTensors(
-                temperature=fdev[:ns], top_p=fdev[ns:2 * ns], min_p=fdev[2 * ns:], top_k=d[8], seeds=d[9],
-                offsets=d[10], all_greedy=all(s.request.params.greedy for s in samplers),
-                needs_filter=any(s.request.params.needs_filter for s in samplers),
-            )
+            sampling = sampling_tensors([s.request for s in samplers], d[8:11], self._floats.upload(3 * ns))
         return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
 
     @torch.inference_mode()

@@ -22,8 +22,7 @@ import torch
 
 from specserve.cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.model_runner import ModelRunner, RowResult, _Staging
-from specserve.runner.sampler import SamplingTensors
+from specserve.runner.model_runner import ModelRunner, RowResult, _Staging, sampling_row, sampling_tensors
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.accept import AcceptInputs, accept
 from specserve.spec.config import SpeculativeConfig
@@ -54,8 +53,8 @@ class SpecDecodeRunner(ModelRunner):
         b, d = len(sched), self.num_drafts
         w = q + d + 2
         sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w, b, b, b, b]
-        names = ["verify_idx", "drafts", "num_drafts", "can_accept", "sample_row", "base_col", "t0", "start",
-                 "seeds", "offsets", "ext", "greedy", "relaxed", "relaxed_topk", "thinking"]
+        names = ["verify_idx", "drafts", "num_drafts", "can_accept", "base_col", "t0", "start",
+                 "top_k", "seeds", "offsets", "ext", "greedy", "relaxed", "relaxed_topk", "thinking"]
         buf = self._spec_ints.reserve(sum(sizes))
         offs = np.cumsum([0] + sizes)
         a = {k: buf[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
@@ -64,7 +63,6 @@ class SpecDecodeRunner(ModelRunner):
         vidx, drafts, ext = a["verify_idx"].reshape(b, d + 1), a["drafts"].reshape(b, d), a["ext"].reshape(b, w)
         fl = self._spec_floats.reserve(4 * b)
         cfg = self.spec
-        topk = np.empty(b, dtype=np.int64)
         t0 = 0
         for i, s in enumerate(sched):
             req, n, nd = s.request, s.num_tokens, s.num_drafts
@@ -73,34 +71,27 @@ class SpecDecodeRunner(ModelRunner):
             drafts[i, :nd] = req.spec_token_ids[:nd]
             sp = req.params
             a["num_drafts"][i] = nd
-            a["can_accept"][i] = s.sample
+            a["can_accept"][i] = s.sample  # rows that sample also verify their drafts and draft anew
             a["greedy"][i] = sp.greedy
             relaxed = cfg.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None else sp.relaxed_acceptance
             a["relaxed"][i] = relaxed
             a["relaxed_topk"][i] = sp.relaxed_topk if sp.relaxed_topk is not None else cfg.relaxed_topk
             fl[3 * b + i] = sp.relaxed_delta if sp.relaxed_delta is not None else cfg.relaxed_delta
             a["thinking"][i] = req.thinking
-            a["sample_row"][i] = s.sample
             a["base_col"][i], a["t0"][i], a["start"][i] = n - 1 - nd, t0, s.start
-            a["seeds"][i], a["offsets"][i] = req.seed, req.num_output_tokens
+            (a["top_k"][i], a["seeds"][i], a["offsets"][i]), (fl[i], fl[b + i], fl[2 * b + i]) = \
+                sampling_row(req, self.vocab_size)
             known = n - nd
             ext[i, :known] = req.token_ids[s.start:s.start + known]
             ext[i, known:n] = req.spec_token_ids[:nd]
             if not s.sample:  # prompt lookahead: the next known tokens after a non-final chunk
                 nxt = req.token_ids[s.start + n:s.start + n + d + 1]
                 ext[i, n:n + len(nxt)] = nxt
-            fl[i], fl[b + i], fl[2 * b + i] = sp.temperature, sp.top_p, sp.min_p
-            topk[i] = sp.top_k if sp.top_k > 0 else self.vocab_size
             t0 += n
         dev = self._spec_ints.upload(int(offs[-1]))
         t = {k: dev[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
         fdev = self._spec_floats.upload(4 * b)
-        sampling = SamplingTensors(
-            temperature=fdev[:b], top_p=fdev[b:2 * b], min_p=fdev[2 * b:3 * b],
-            top_k=torch.from_numpy(topk).to(self.device), seeds=t["seeds"], offsets=t["offsets"],
-            all_greedy=all(s.request.params.greedy for s in sched),
-            needs_filter=any(s.request.params.needs_filter for s in sched),
-        )
+        sampling = sampling_tensors([s.request for s in sched], [t["top_k"], t["seeds"], t["offsets"]], fdev)
         any_relaxed = bool(a["relaxed"].any())
         acc = AcceptInputs(
             sampling=sampling, greedy=t["greedy"].bool(), can_accept=t["can_accept"].bool(),
@@ -113,7 +104,7 @@ class SpecDecodeRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
-        inp = self.prepare(batch)
+        inp = self.prepare(batch, with_sampling=False)
         sched = batch.scheduled
         b, d = len(sched), self.num_drafts
         q = inp.meta.query_index.shape[1]
@@ -122,7 +113,7 @@ class SpecDecodeRunner(ModelRunner):
                                  aux_layers=self.head.aux_layers)
         # verify + accept
         logits = self.model.compute_logits(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
-        sample_row = t["sample_row"].bool()
+        sample_row = acc_in.can_accept
         accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced)
         # draft
         rows = torch.arange(b, device=self.device)
