@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-prompts", type=int, default=None)
     tr.add_argument("--gen-max-tokens", type=int, default=256, help="max tokens of each regenerated response")
     tr.add_argument("--gen-temperature", type=float, default=0.0, help="temperature of the regenerated responses")
+    tr.add_argument("--gen-workers", type=int, default=1,
+                    help="engine processes regenerating in parallel on the device (a small target is host-bound)")
+    tr.add_argument("--regenerate-only", action="store_true",
+                    help="write the regenerated data (OUT/data.pt) and stop; train from it later with --data")
     tr.add_argument("--max-seq-len", type=int, default=1024)
     tr.add_argument("--steps", type=int, default=2000)
     tr.add_argument("--batch-size", type=int, default=16, help="sequences per training step")
@@ -229,13 +233,16 @@ def cmd_train(a: argparse.Namespace) -> int:
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
               "gen_max_tokens", "gen_temperature", "max_seq_len", "steps", "batch_size", "lr", "warmup",
               "ttt_steps", "draft_vocab", "seed", "device", "eval_draft_len", "eval_max_prompts",
-              "eval_max_tokens", "export_dtype", "time_limit")
+              "eval_max_tokens", "export_dtype", "time_limit", "gen_workers", "regenerate_only")
     try:
         cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
         report = train(cfg)
     except ValueError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
+    if cfg.regenerate_only:
+        print(f"regenerated {report['regenerated']} sequences into {report['data']}")
+        return 0
     for name, e in report["eval"].items():
         pos = " ".join(f"{p:.2f}" for p in e["per_position_acceptance"])
         print(f"{name}: acceptance length {e['acceptance_length']:.2f} (D={e['draft_len']}), per position [{pos}]")

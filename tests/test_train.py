@@ -12,7 +12,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.train.attention import DenseCausal, TrainingTimeTest
 from specserve.train.prompts import read_prompts
-from specserve.train.trainer import TrainConfig, target_features, train
+from specserve.train.trainer import (TrainConfig, build_head, make_batch, regenerate, target_features, train,
+                                     ttt_loss)
 from tiny_models import make_head, make_hf_model
 
 
@@ -60,7 +61,7 @@ def test_training_time_test_matches_the_inference_draft_loop(dirs, method):
 
     tokens = torch.tensor([seq])
     with torch.no_grad():
-        hidden, aux, _ = target_features(head.target, head, tokens)
+        hidden, aux = target_features(head.target, head, tokens)
         h = head.first_hidden(hidden, aux)
         pos = torch.arange(len(seq))[None]
         tta = TrainingTimeTest()
@@ -111,6 +112,73 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     assert [h["step"] for h in again["history"]] == [0, 5, 10, 15, 19, 20, 25, 29]
 
 
+@pytest.mark.parametrize("method,draft_vocab", [("eagle3", 0), ("eagle3", 50), ("mtp", 0)])
+def test_ttt_loss_equals_a_dense_per_position_reference(dirs, method, draft_vocab):
+    """The loss gathers response positions before the vocabulary-sized work; it must equal the plain
+    definition: mean over response tokens of soft cross-entropy against the target, per unroll step."""
+    from specserve.loaders import load_model
+
+    target = load_model(str(dirs / "target"), torch.float32, "cpu").model
+    cfg = TrainConfig(target=None, method=method, prompts=["x"], out="unused", draft_vocab=draft_vocab)
+    g = torch.Generator().manual_seed(3)
+    data = [{"prompt_ids": torch.randint(0, 100, (int(n),), generator=g).tolist(),
+             "response_ids": torch.randint(0, 100, (int(r),), generator=g).tolist()}
+            for n, r in zip(torch.randint(2, 9, (5,), generator=g), torch.randint(1, 12, (5,), generator=g))]
+    head = build_head(cfg, target, data)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() > 1:
+                p.normal_(0, 0.05, generator=g)
+    tokens, lengths, starts = make_batch(data, list(range(5)), 16, "cpu")
+    hidden, aux = target_features(target, head, tokens)
+    loss, losses, _ = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
+
+    with torch.no_grad():
+        tgt = target.compute_logits(hidden).softmax(-1)  # [B, S, V]
+        ids_v = head.vocab_ids()
+        h = head.first_hidden(hidden, aux)
+        tta = TrainingTimeTest()
+        b, s = tokens.shape
+        pos = torch.arange(s).expand(b, s)
+        ref = []
+        for k in range(cfg.ttt_steps):
+            ids = torch.zeros_like(tokens)
+            ids[:, :s - k - 1] = tokens[:, k + 1:]
+            out = head.run_module(k, ids, pos + k, h, tta, (None, None))
+            terms = []
+            for bi in range(b):
+                for i in range(s):
+                    pred = i + k + 2  # the token this anchor drafts at unroll step k
+                    if starts[bi] <= pred < lengths[bi]:
+                        p = tgt[bi, pred - 1]
+                        if ids_v is not None:
+                            p = p[ids_v] / p[ids_v].sum()
+                        terms.append(-(p * head.logits(k, out[bi, i]).log_softmax(-1)).sum())
+            ref.append(torch.stack(terms).mean().item())
+            h = out
+    assert losses == pytest.approx(ref, rel=1e-5)
+    w = [cfg.ttt_decay ** k for k in range(cfg.ttt_steps)]
+    assert loss.item() == pytest.approx(sum(a * c for a, c in zip(w, ref)) / sum(w), rel=1e-5)
+
+
+def test_regeneration_in_worker_processes_equals_one_process(dirs, tmp_path):
+    prompts = [f"Tell me about the number {i}." for i in range(7)]
+    base = dict(target=str(dirs / "target"), method="eagle3", prompts=["unused"], out=str(tmp_path), device="cpu",
+                gen_max_tokens=6, gen_temperature=0.8)
+    one = regenerate(TrainConfig(**base), prompts)
+    two = regenerate(TrainConfig(**base, gen_workers=2), prompts)
+    assert len(one) == 7 and one == two
+
+
+def test_regenerate_only_writes_data_and_stops(dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(6)))
+    rep = train(TrainConfig(target=str(dirs / "target"), method="mtp", prompts=[str(prompts)], out=str(tmp_path / "o"),
+                            device="cpu", gen_max_tokens=4, regenerate_only=True))
+    assert rep["regenerated"] == 5  # one of six held out
+    assert (tmp_path / "o" / "data.pt").is_file() and not (tmp_path / "o" / "head").exists()
+
+
 def test_prompt_file_shapes(tmp_path):
     recs = [
         {"prompt": "p1"},
@@ -142,3 +210,15 @@ def test_prompt_file_shapes(tmp_path):
 def _write(path, obj):
     path.write_text(json.dumps(obj))
     return path
+
+
+def test_learning_rate_decays_over_the_time_limit_when_it_comes_first():
+    from specserve.train.trainer import _lr
+
+    cfg = TrainConfig(target=None, method="eagle3", prompts=["x"], out="unused", steps=1000, warmup=10, lr=1.0,
+                      time_limit=100.0)
+    assert _lr(cfg, 5) == pytest.approx(0.6)  # warm-up
+    assert _lr(cfg, 10, elapsed=0.0) == pytest.approx(1.0)
+    assert _lr(cfg, 20, elapsed=50.0) == pytest.approx(0.55)  # half the time: half-way down the cosine
+    assert _lr(cfg, 20, elapsed=100.0) == pytest.approx(0.1)
+    assert _lr(cfg, 1000, elapsed=1.0) == pytest.approx(0.1)  # steps exhausted first

@@ -46,6 +46,8 @@ class TrainConfig:
     gen_max_tokens: int = 256
     gen_temperature: float = 0.0
     gen_dtype: str = "auto"
+    gen_workers: int = 1  # engine processes sharing the device for regeneration
+    regenerate_only: bool = False  # stop once data.pt is written (train heads from it later with --data)
     max_seq_len: int = 1024
     steps: int = 2000
     batch_size: int = 16
@@ -71,7 +73,7 @@ class TrainConfig:
             raise ValueError("give --prompts FILE [FILE ...] (or --data from an earlier run)")
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"--holdout must be in [0, 1), got {self.holdout}")
-        for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len"):
+        for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -91,21 +93,44 @@ def split_prompts(cfg: TrainConfig) -> tuple[list[str], list[str]]:
 
 
 def regenerate(cfg: TrainConfig, prompts: list[str]) -> list[dict]:
-    """Responses of the target to ``prompts`` through specserve's engine (chat template applied)."""
+    """Responses of the target to ``prompts`` through specserve's engine (chat template applied).
+
+    With ``gen_workers`` > 1 the prompts are split across that many engine processes sharing the device
+    (the engine's step is host-bound for a small target, so processes add throughput); the result is the
+    same as with one worker, since prompt i is always sampled with seed ``seed + i``.
+    """
+    indexed = list(enumerate(prompts))
+    n = min(cfg.gen_workers, max(1, len(prompts)))
+    if n == 1:
+        rows = _regenerate_shard(cfg, indexed, 0, 1)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_regenerate_shard, cfg, indexed[w::n], w, n) for w in range(n)]
+            rows = [r for f in futures for r in f.result()]
+    rows.sort(key=lambda r: r[0])
+    return [d for _, d in rows if d is not None]
+
+
+def _regenerate_shard(cfg: TrainConfig, indexed: list[tuple[int, str]], worker: int,
+                      workers: int) -> list[tuple[int, dict | None]]:
     from specserve import LLM, SamplingParams
 
-    llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192)
+    llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192,
+              gpu_memory_utilization=0.8 / workers)
     tok = llm.tokenizer
-    reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]
+    reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
     params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_tokens, seed=cfg.seed + i)
-              for i in range(len(prompts))]
-    outs = llm.generate(reqs, params, use_tqdm=True, raise_on_error=False)
-    data = [{"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids} for o in outs
-            if o.error is None and o.token_ids]
+              for i, _ in indexed]
+    outs = llm.generate(reqs, params, use_tqdm=worker == 0, raise_on_error=False)
+    rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}
+             if o.error is None and o.token_ids else None) for (i, _), o in zip(indexed, outs)]
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return data
+    return rows
 
 
 def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, ...]:
@@ -145,21 +170,37 @@ def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
 
 @torch.no_grad()
 def target_features(target, head: DraftHead, tokens: torch.Tensor):
-    """tokens [B, S] -> (head step-0 hidden [B, S, H], target log-probs [B, S, V])."""
+    """tokens [B, S] -> (final hidden [B, S, H], aux hidden states the head reads)."""
     b, s = tokens.shape
     pos = torch.arange(s, device=tokens.device).expand(b, s)
     n = target.config.num_hidden_layers
-    hidden, aux = target(tokens, pos, DenseCausal(), [(None, None)] * n, aux_layers=head.aux_layers)
-    logp = target.compute_logits(hidden).log_softmax(dim=-1)
-    return hidden, aux, logp
+    return target(tokens, pos, DenseCausal(), [(None, None)] * n, aux_layers=head.aux_layers)
 
 
-def ttt_loss(cfg: TrainConfig, head: DraftHead, tokens, lengths, starts, hidden, aux, target_logp):
+def response_rows(lengths: torch.Tensor, starts: torch.Tensor, s: int) -> torch.Tensor:
+    """[B, S] bool: rows j whose next-token distribution predicts a response token (start <= j + 1 < length)."""
+    j = torch.arange(s, device=lengths.device)[None, :]
+    return (j + 1 >= starts[:, None]) & (j + 1 < lengths[:, None])
+
+
+@torch.no_grad()
+def target_probs(target, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """hidden [B, S, H], rows [B, S] bool -> the target's next-token distribution at those rows [N, V]."""
+    return target.compute_logits(hidden[rows]).float().softmax(dim=-1)
+
+
+def ttt_loss(cfg: TrainConfig, head: DraftHead, tokens, lengths, starts, hidden, aux):
     """Unrolled training-time-test loss. Returns (loss, per-step losses, per-step top-1 agreement)."""
     b, s = tokens.shape
     dev = tokens.device
     pos = torch.arange(s, device=dev).expand(b, s)
+    rows = response_rows(lengths, starts, s)  # [B, S]
+    probs = target_probs(head.target, hidden, rows)  # [N, V], rows in (b, j) order
+    row_pos = pos[rows]  # [N]: j of each row
     vocab_ids = head.vocab_ids()
+    if vocab_ids is not None:
+        probs = probs[:, vocab_ids]
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-9)
     h = head.first_hidden(hidden, aux)
     tta = TrainingTimeTest()
     total = torch.zeros((), device=dev)
@@ -170,24 +211,20 @@ def ttt_loss(cfg: TrainConfig, head: DraftHead, tokens, lengths, starts, hidden,
         ids = torch.zeros_like(tokens)
         ids[:, :s - shift] = tokens[:, shift:]  # the token at position i + k + 1
         out = head.run_module(k, ids, pos + k, h, tta, (None, None))
-        # anchor i predicts the token at i + k + 2; the target's distribution for it sits at i + k + 1
-        m = s - k - 2
-        if m <= 0:
+        # anchor i predicts the token at i + k + 2, whose target distribution sits at row j = i + k + 1
+        if s - k - 1 <= 0:
             break
-        logq = head.logits(k, out[:, :m]).log_softmax(dim=-1)
-        p = target_logp[:, k + 1:k + 1 + m].exp()
-        if vocab_ids is not None:
-            p = p[..., vocab_ids]
-            p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-        pred = torch.arange(m, device=dev) + k + 2
-        mask = (pred[None, :] < lengths[:, None]) & (pred[None, :] >= starts[:, None])  # response tokens only
-        ce = -(p * logq).sum(-1)  # [B, m]
-        denom = mask.sum().clamp_min(1)
-        lk = (ce * mask).sum() / denom
+        anchors = rows[:, k + 1:]  # [B, S-k-1]: anchor i <-> row i + k + 1
+        p = probs[row_pos >= k + 1]  # [N_k, V'], same (b, i) order as out[:, :S-k-1][anchors]
+        if p.shape[0] == 0:
+            break
+        # vocabulary-sized tensors only for response positions (most of a padded batch is not)
+        logq = head.logits(k, out[:, :s - k - 1][anchors]).log_softmax(dim=-1)  # [N_k, V']
+        denom = p.shape[0]
+        lk = -(p * logq).sum() / denom
         total = total + (cfg.ttt_decay ** k / norm) * lk
-        agree = (logq.argmax(-1) == p.argmax(-1)) & mask
         losses.append(lk.item())
-        accs.append((agree.sum() / denom).item())
+        accs.append((logq.argmax(-1) == p.argmax(-1)).sum().item() / denom)
         h = out
     return total, losses, accs
 
@@ -196,10 +233,14 @@ def ttt_loss(cfg: TrainConfig, head: DraftHead, tokens, lengths, starts, hidden,
 # loop
 
 
-def _lr(cfg: TrainConfig, step: int) -> float:
+def _lr(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to 10% over the planned steps, or over ``time_limit`` seconds
+    when that comes first (so a run cut short by its time limit still ends at the low learning rate)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    if cfg.time_limit:
+        t = max(t, elapsed / cfg.time_limit)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -230,6 +271,9 @@ def train(cfg: TrainConfig) -> dict:
         data["gen_seconds"] = time.perf_counter() - t0
         torch.save(data, data_path)
     seqs = data["train"]
+    if cfg.regenerate_only:
+        log.info("regenerated %d sequences into %s; train from them with --data", len(seqs), data_path)
+        return {"regenerated": len(seqs), "data": str(data_path), "gen_seconds": data.get("gen_seconds")}
     if not seqs:
         raise ValueError("no training sequences: every prompt failed or produced nothing")
     holdout = data.get("holdout_prompts", split["holdout"])
@@ -260,16 +304,16 @@ def train(cfg: TrainConfig) -> dict:
         rng = random.Random(cfg.seed * 1_000_003 + step)  # batch of step n is the same after a resume
         idx = [rng.randrange(len(seqs)) for _ in range(cfg.batch_size)]
         tokens, lengths, starts = make_batch(seqs, idx, cfg.max_seq_len, device)
-        hidden, aux, logp = target_features(target, head, tokens)
+        hidden, aux = target_features(target, head, tokens)
         for g in opt.param_groups:
-            g["lr"] = _lr(cfg, step)
-        loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux, logp)
+            g["lr"] = lr = _lr(cfg, step, time.perf_counter() - t_train)
+        loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            history.append({"step": step, "loss": loss.item(), "losses": losses, "acc": accs, "lr": _lr(cfg, step)})
+            history.append({"step": step, "loss": loss.item(), "losses": losses, "acc": accs, "lr": lr})
             bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1, "history": history},

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Trains both shipped heads for the default model on the GPU machine (model at /root/model.gguf).
+#   bash benchmarks/gpu_train_all.sh regen [train-draft args...]  # regenerate responses -> /root/regen/data.pt
+#   bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side from it
+# SNAP names a copy of the package to run (so the run does not depend on the working tree of the moment).
+set -uo pipefail
+mode=$1; shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:${SNAP:-$PWD} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+prompts=(--prompts .traindata/gpteacher-codegen-instruct.json .traindata/gpteacher-roleplay-instruct.json
+         .traindata/gpteacher-toolformer-instruct.json
+         --eval-prompts .traindata/HumanEval.jsonl.gz .traindata/alpaca-seed-tasks.jsonl)
+filter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }
+if [ "$mode" = regen ]; then
+  timeout 580 python3 -m specserve.cli train-draft --target /root/model.gguf --method eagle3 --out /root/regen \
+    "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -20
+  ls -la /root/regen
+  exit 0
+fi
+for m in eagle3 mtp; do
+  timeout 585 python3 -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
+    --data /root/regen/data.pt "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
+done
+wait
+for m in eagle3 mtp; do
+  echo "== $m"; filter < /tmp/train-$m.log | tail -25
+  mkdir -p "$OUT/$m"
+  cp /root/$m/head/* /root/$m/report.json /root/$m/*.png "$OUT/$m/" 2>/dev/null
+done
+ls -la "$OUT"/*
