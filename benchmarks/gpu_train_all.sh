@@ -15,7 +15,7 @@ filter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; 
 if [ "$mode" = regen ]; then
   timeout 580 python3 -m specserve.cli train-draft --target /root/model.gguf --method eagle3 --out /root/regen \
     "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -20
-  ls -la /root/regen
+  ls -la /root/regen; mkdir -p "$OUT/regen"; cp /root/regen/data.pt /root/regen/prompts_split.json "$OUT/regen/"
   exit 0
 fi
 for m in eagle3 mtp; do
