@@ -21,7 +21,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.heads import default_speculative_config
 
-from prompts import CHATS  # benchmarks/prompts.py
+from specserve.bench.prompts import CHATS
 
 
 

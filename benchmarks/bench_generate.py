@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from prompts import CHATS as ALL_CHATS  # benchmarks/prompts.py
+from specserve.bench.prompts import CHATS as ALL_CHATS
 
 CHATS = ALL_CHATS[:8]  # the set behind the figures recorded in docs/BENCHMARKS.md
 

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from prompts import CHATS  # benchmarks/prompts.py
+from specserve.bench.prompts import CHATS
 
 
 def pct(xs, q):

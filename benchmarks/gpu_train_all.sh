@@ -7,20 +7,21 @@ set -uo pipefail
 mode=$1; shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:${SNAP:-$PWD} PYTHONUNBUFFERED=1
+py="python3 -P"  # -P: the package comes from PYTHONPATH (SNAP), not from the working directory
 OUT=${OUT:-/tmp/out}
 prompts=(--prompts .traindata/gpteacher-codegen-instruct.json .traindata/gpteacher-roleplay-instruct.json
          .traindata/gpteacher-toolformer-instruct.json
          --eval-prompts .traindata/HumanEval.jsonl.gz .traindata/alpaca-seed-tasks.jsonl)
 filter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }
 if [ "$mode" = regen ]; then
-  timeout 580 python3 -m specserve.cli train-draft --target /root/model.gguf --method eagle3 --out /root/regen \
+  timeout 580 $py -m specserve.cli train-draft --target /root/model.gguf --method eagle3 --out /root/regen \
     "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -20
   ls -la /root/regen; mkdir -p "$OUT/regen"; cp /root/regen/data.pt /root/regen/prompts_split.json "$OUT/regen/"
   exit 0
 fi
 for m in eagle3 mtp; do
-  timeout 585 python3 -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
-    --data /root/regen/data.pt "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
+  timeout 585 $py -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
+    --data ${DATA:-/root/regen/data.pt} "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
 done
 wait
 for m in eagle3 mtp; do

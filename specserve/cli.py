@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used on CUDA only)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
+                   help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument("--draft", default=None,
                     help="draft head folder (EAGLE-3 or MTP layout); the default model uses its shipped head")
@@ -38,7 +42,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--relaxed-delta", type=float, default=0.0, help="relaxed: with p >= p(top1) - delta")
     sp.add_argument("--begin-thinking-token", default=None, help="token (id or text) that opens the thinking phase")
     sp.add_argument("--end-thinking-token", default=None, help="token (id or text) that closes the thinking phase")
-    sp.add_argument("--forced-acceptance", type=int, default=None,
+    sp.add_argument("--forced-acceptance", type=float, default=None,
                     help="accept exactly N drafts per step (performance experiments; output is NOT the model's)")
 
 
@@ -62,7 +66,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                 kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
-                num_kv_blocks=a.num_kv_blocks, speculative_config=spec)
+                num_kv_blocks=a.num_kv_blocks, speculative_config=spec, enforce_eager=a.enforce_eager,
+                attention_backend=a.attention_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
     tr.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     tr.add_argument("-v", "--verbose", action="store_true")
+    _bench_parser(sub)
     return parser
 
 
@@ -184,6 +190,65 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="throughput and latency, speculation on/off, optionally against transformers",
+                       description="Generates exactly --max-tokens tokens per request (EOS ignored) for each batch "
+                                   "size, warmed up, median of --repeats; prints a table and writes bench.json, "
+                                   "bench.md and bench.png under --out.")
+    b.add_argument("--model", default=None,
+                   help="HF folder, .gguf, or random:llama-3.1-8b / random:smollm2-135m (random weights of those "
+                        "shapes); default: the embedded SmolLM2-135M-Instruct")
+    b.add_argument("--prompts", nargs="*", default=[],
+                   help="prompt files: JSONL/JSON with {prompt} (HumanEval too), {turns} (MT-bench), ShareGPT, ...")
+    b.add_argument("--random-input-len", type=int, default=None, help="random token-id prompts of this length")
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="requests submitted together")
+    b.add_argument("--max-tokens", type=int, default=256)
+    b.add_argument("--speculative", default="both", choices=["on", "off", "both"])
+    b.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"])
+    b.add_argument("--draft", default=None, help="head folder, or 'random' (timing only; use --forced-acceptance)")
+    b.add_argument("--draft-len", type=int, default=4)
+    b.add_argument("--forced-acceptance", type=float, default=None,
+                   help="accept this many drafts per step on average (throughput at a given acceptance length)")
+    b.add_argument("--dtype", default="auto")
+    b.add_argument("--device", default=None)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--compare", nargs="*", default=[], choices=["hf", "hf-compile"],
+                   help="also run transformers generate (eager / static cache + torch.compile) in this process")
+    b.add_argument("--enforce-eager", action="store_true")
+    b.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    b.add_argument("--steps", type=int, nargs="*", default=None, metavar="BATCH",
+                   help="also time decode / verify / draft-loop CUDA graphs at these batch sizes (CUDA, speculative)")
+    b.add_argument("--steps-context", type=int, default=512, help="context length for --steps")
+    b.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
+    b.add_argument("-v", "--verbose", action="store_true")
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from specserve.bench.report import table, write_outputs
+    from specserve.bench.run import BenchConfig, run_bench
+
+    try:
+        cfg = BenchConfig(model=a.model, prompts=a.prompts, random_input_len=a.random_input_len,
+                          num_prompts=a.num_prompts, batch_sizes=a.batch_size, max_tokens=a.max_tokens,
+                          speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
+                          forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
+                          compare=a.compare, enforce_eager=a.enforce_eager, kv_cache_memory_bytes=a.kv_cache_memory,
+                          out=None)
+        result = run_bench(cfg)
+        if a.steps:
+            from specserve.bench.run import step_timings
+
+            result["steps"] = step_timings(cfg, a.steps, a.steps_context, result["meta"]["copy_bandwidth_gbps"])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    write_outputs(Path(a.out), result)
+    print(table(result))
+    print(f"\nwritten: {a.out}/bench.json, bench.md, bench.png")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
@@ -194,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_train(a)
     if a.command == "serve":
         return cmd_serve(a)
+    if a.command == "bench":
+        return cmd_bench(a)
     return 2
 
 

@@ -182,6 +182,15 @@ def test_forced_acceptance_accepts_exactly_n(dirs):
     assert all(len(o.token_ids) == 40 for o in outs)
 
 
+def test_fractional_forced_acceptance_matches_its_mean(dirs):
+    llm = llm_for(dirs, dict(spec_cfg(dirs, "eagle3-d4"), forced_acceptance=1.5))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    stats = llm.engine.spec_stats
+    assert stats.per_position[0] == 1.0 and stats.per_position[2:] == [0.0, 0.0]
+    assert 0.4 < stats.per_position[1] < 0.6  # second draft accepted about half the time
+    assert abs(stats.acceptance_length - 2.5) < 0.12
+
+
 # ---------------------------------------------------------------------------------------------
 # head KV under chunked prefill
 

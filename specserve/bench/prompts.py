@@ -1,6 +1,7 @@
-"""Chat prompts shared by the benchmark scripts (general topics: prose, code, lists, explanations)."""
+"""Chat prompts used when ``specserve bench`` is given no prompt file, and by the benchmark scripts
+(general topics: prose, code, lists, explanations)."""
 
-CHATS = [
+DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a hash table works and when to use one.",
     "Give me a recipe for a simple tomato soup.",
@@ -18,3 +19,5 @@ CHATS = [
     "Write a SQL query that counts orders per customer.",
     "Explain recursion to a beginner.",
 ]
+
+CHATS = DEFAULT_PROMPTS

@@ -38,6 +38,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.8
     num_kv_blocks: int | None = None
     speculative_config: SpeculativeConfig | dict | None = None
+    enforce_eager: bool = False  # True: no CUDA graphs (they are used on CUDA only)
+    max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
+    attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
 
 
 class LLMEngine:
@@ -77,12 +80,19 @@ class LLMEngine:
                                                    max_model_len=max_len), self.pool,
                                    num_lookahead_slots=max(0, d - 1))
         self.thinking_tokens = self._thinking_tokens()
+        if args.attention_backend not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention_backend must be auto, triton or sdpa, got {args.attention_backend!r}")
+        graph_rows = 0 if args.enforce_eager else min(args.max_num_seqs, args.max_cuda_graph_batch_size)
+        runner_kwargs = dict(max_model_len=max_len, cuda_graph_max_rows=graph_rows,
+                             attention_backend=args.attention_backend,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
         if self.head is None:
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, **runner_kwargs)
         else:
             self.runner = SpecDecodeRunner(self.model, self.head, self.kv_cache, self.device, self.spec_config,
-                                           self.thinking_tokens)
+                                           self.thinking_tokens, **runner_kwargs)
         self.spec_stats = SpecStats()
+        self.num_steps = 0  # model steps run (benchmarks)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -163,6 +173,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
+        self.num_steps += 1
         results = self.runner.execute(batch)
         outputs = []
         for entry, res in self.scheduler.update(batch, results):

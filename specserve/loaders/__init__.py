@@ -12,6 +12,7 @@ import torch
 from specserve.config import ModelConfig
 from specserve.loaders.gguf_loader import GGUFFile
 from specserve.loaders.hf import iter_safetensors, load_hf_config
+from specserve.loaders.random_model import init_random_, is_random_ref, random_config, word_tokenizer
 from specserve.models.llama import LlamaForCausalLM
 from specserve.tokenizer import Tokenizer
 
@@ -53,6 +54,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
 
 def load_config(model: str | os.PathLike | None) -> ModelConfig:
     """The model's config alone (no weights, no tokenizer)."""
+    if is_random_ref(model):
+        return random_config(model)
     path = resolve_model_path(model)
     return GGUFFile(path).config if path.is_file() else load_hf_config(path)
 
@@ -67,6 +70,8 @@ class LoadedModel:
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Build the target model on ``device`` in ``dtype`` and its tokenizer."""
+    if is_random_ref(model):
+        return _load_random(model, dtype, device)
     path = resolve_model_path(model)
     if path.is_file():
         gg = GGUFFile(path)
@@ -76,18 +81,35 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
         cfg = load_hf_config(path)
         weights, source = iter_safetensors(path), str(path)
         tokenizer = Tokenizer.from_folder(path)
+    model = _empty_model(cfg, device)
+    model.load_weights(weights, source=source)
+    model = _finish(model, dtype)
+    if cfg.eos_token_ids == () and tokenizer.eos_token_id is not None:
+        cfg.eos_token_ids = (tokenizer.eos_token_id,)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, path=path)
+
+
+def _empty_model(cfg: ModelConfig, device, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device) if dtype is None else model.to(dtype=dtype).to_empty(device=device)
     # Buffers (RoPE tables) were created on meta: rebuild them on the real device.
     rope = type(model.rope)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     model.rope.cos_cache = rope.cos_cache.to(device)
     model.rope.sin_cache = rope.sin_cache.to(device)
-    model.load_weights(weights, source=source)
+    return model
+
+
+def _finish(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
     model = model.to(dtype).eval()
     model.rope.cos_cache = model.rope.cos_cache.float()
     model.rope.sin_cache = model.rope.sin_cache.float()
-    model.requires_grad_(False)
-    if cfg.eos_token_ids == () and tokenizer.eos_token_id is not None:
-        cfg.eos_token_ids = (tokenizer.eos_token_id,)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, path=path)
+    return model.requires_grad_(False)
+
+
+def _load_random(model: str, dtype: torch.dtype, device) -> LoadedModel:
+    cfg = random_config(model)
+    m = _empty_model(cfg, device, dtype)  # allocated in the target dtype: 8B shapes are 16 GB in bf16
+    init_random_(m)
+    tok = Tokenizer(word_tokenizer(cfg.vocab_size, cfg.eos_token_ids[0]))
+    return LoadedModel(model=_finish(m, dtype), tokenizer=tok, config=cfg, path=Path(model))

@@ -6,9 +6,11 @@ import math
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from specserve.config import RopeScaling
+from specserve.kernels.activation import silu_and_mul
+from specserve.kernels.norm import rms_norm
+from specserve.kernels.rope import rope_ref
 
 
 class RMSNorm(nn.Module):
@@ -24,17 +26,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -68,18 +61,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [...]; q [..., Hq, D]; k [..., Hkv, D] -> rotated (q, k)."""
-        cos = self.cos_cache[positions].to(q.dtype)  # [..., D/2]
-        sin = self.sin_cache[positions].to(q.dtype)
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(-2)  # [..., 1, D]
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(-2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        """positions [...]; q [..., Hq, D]; k [..., Hkv, D] -> rotated (q, k) (training's dense path;
+        the paged path fuses RoPE with the cache write, ``specserve.kernels.rope``)."""
+        return rope_ref(positions, q, k, self.cos_cache, self.sin_cache)
 
 
 class SwiGLU(nn.Module):
@@ -92,5 +76,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

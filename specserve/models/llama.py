@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.models.attention import AttentionMetadata, paged_attention, write_kv
+from specserve.kernels.rope import rope_and_cache
+from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 
@@ -42,11 +43,13 @@ class Attention(nn.Module):
         v = v.view(*lead, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
         if isinstance(meta, AttentionMetadata):
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            # RoPE on q and k, and k/v into the cache at the step's slots (one kernel on CUDA)
+            q = rope_and_cache(positions, q, k, v, self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache,
+                               meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         else:
+            q, k = self.rope(positions, q, k)
             out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
         return self.o_proj(out.reshape(*lead, self.hq * self.d))
 

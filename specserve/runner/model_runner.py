@@ -14,8 +14,9 @@ import torch
 
 from specserve.cache.kv_cache import KVCache, PAD_BLOCK
 from specserve.config import cdiv
-from specserve.models.attention import AttentionMetadata, build_mask
+from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
+from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.sampler import SamplingTensors, sample
 from specserve.scheduler.scheduler import SchedulerOutput
 
@@ -27,9 +28,10 @@ def sampling_row(req, vocab_size: int) -> tuple[tuple[int, int, int], tuple[floa
             (sp.temperature, sp.top_p, sp.min_p))
 
 
-def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor) -> SamplingTensors:
-    """ints = [top_k, seeds, offsets] device views [S]; floats = [temperature; top_p; min_p] device [3S]."""
-    n = len(reqs)
+def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor, n: int | None = None) -> SamplingTensors:
+    """ints = [top_k, seeds, offsets] device views [S]; floats = [temperature; top_p; min_p] device [3S].
+    ``n`` (S) may exceed len(reqs): the rows past them are greedy dummies (CUDA-graph padding)."""
+    n = len(reqs) if n is None else n
     return SamplingTensors(
         temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], top_k=ints[0], seeds=ints[1],
         offsets=ints[2], all_greedy=all(r.params.greedy for r in reqs),
@@ -40,10 +42,12 @@ def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor) -> Sa
 class _Staging:
     """A pinned host buffer and its device twin; ``upload(n)`` copies the first n elements."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, size: int = 0) -> None:
         self.dtype, self.device = dtype, device
         self.host = torch.empty(0, dtype=dtype)
         self.dev = torch.empty(0, dtype=dtype, device=device)
+        self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
+        self.reserve(size)
 
     def reserve(self, n: int) -> np.ndarray:
         if n > self.host.numel():
@@ -51,6 +55,7 @@ class _Staging:
             pin = self.device.type == "cuda"
             self.host = torch.empty(size, dtype=self.dtype, pin_memory=pin)
             self.dev = torch.empty(size, dtype=self.dtype, device=self.device)
+            self.generation += 1
         return self.host.numpy()
 
     def upload(self, n: int) -> torch.Tensor:
@@ -70,6 +75,15 @@ class RowResult:
     num_accepted: int = 0  # of those, accepted
 
 
+@dataclass(frozen=True)
+class GraphLayout:
+    """The fixed shape of a CUDA-graph step (see ``ModelRunner.prepare``)."""
+
+    rows: int  # batch size, padded up to a captured size
+    q: int  # tokens per row: 1 (decode) or 1 + D (verify)
+    table_width: int  # block-table entries per row (covers max_model_len)
+
+
 @dataclass
 class StepInputs:
     """One step's device inputs (views into the staging buffers)."""
@@ -84,8 +98,34 @@ class StepInputs:
 class ModelRunner:
     # block-table entries beyond a row's tokens that the step may write (the draft loop's positions)
     table_lookahead = 0
+    graph_q_extra = 0  # tokens per row in a graph step beyond the one known token (drafts)
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def _staging_buffers(self) -> list:
+        return [self._ints, self._floats]
+
+    def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
+        """The CUDA-graph layout of a pure decode step, or None to run eagerly."""
+        if self.graphs is None or not all(s.sample and s.num_tokens == 1 for s in batch.scheduled):
+            return None
+        return self._layout(batch, 1)
+
+    def _layout(self, batch: SchedulerOutput, q: int) -> GraphLayout | None:
+        """Rows padded to a captured size; block tables as wide as the longest row needs, rounded up to a
+        power of two (at least 256 tokens), so that a graph's attention covers at most twice the context
+        it needs and a handful of graphs serve every context length."""
+        rows = self.graphs.padded_rows(len(batch.scheduled))
+        if rows is None:
+            return None
+        la = self.table_lookahead
+        need = max(cdiv(s.start + s.num_tokens + la, self.block_size) for s in batch.scheduled)
+        width = min(self.graph_table_width, 1 << max(need, cdiv(256, self.block_size)).bit_length() - 1)
+        if width < need:
+            width = min(self.graph_table_width, width * 2)
+        return GraphLayout(rows, q, max(width, need))
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
+                 max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
+                 attention_backend: str = "auto", max_num_batched_tokens: int = 0) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_views = kv_cache.layer_views()[:model.config.num_hidden_layers]
@@ -93,21 +133,41 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
-        self._ints = _Staging(torch.int64, device)
-        self._floats = _Staging(torch.float32, device)
+        self.attention_backend = attention_backend
+        max_len = max_model_len or model.config.max_position_embeddings
+        self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
+        rows = cuda_graph_max_rows if device.type == "cuda" else 0
+        # staging sized for the largest graph step up front, so that graphs rarely need recapturing
+        q = 1 + self.graph_q_extra
+        self._ints = _Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 4),
+                                                       6 * max_num_batched_tokens) * 2)
+        self._floats = _Staging(torch.float32, device, 8 * rows)
+        self.graphs = CudaGraphs(rows, self._staging_buffers()) if rows else None
 
-    def prepare(self, batch: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
+    def prepare(self, batch: SchedulerOutput, with_sampling: bool = True, layout: "GraphLayout | None" = None
+                ) -> StepInputs:
         """Device inputs of a step; ``with_sampling=False`` leaves out the per-row sampling parameters
-        (the speculative runner builds its own, for every row)."""
+        (the speculative runner builds its own, for every row).
+
+        Without ``layout`` the step is packed: row i's tokens follow row i-1's, and the block tables are
+        as wide as the longest row needs. With a ``GraphLayout`` (a CUDA-graph step) every shape is fixed:
+        ``layout.rows`` rows of exactly ``layout.q`` tokens (rows past the batch are dummies that read and
+        write only the reserved pad block; a row's tokens past its own are padding that writes there
+        too), block tables ``layout.table_width`` wide, and every row sampling; the views then land at
+        the same device addresses on every step of that layout."""
         sched = batch.scheduled
         bs = self.block_size
-        b = len(sched)
-        t = batch.total_tokens
-        q = max(s.num_tokens for s in sched)
+        b = len(sched) if layout is None else layout.rows
+        q = max(s.num_tokens for s in sched) if layout is None else layout.q
+        t = batch.total_tokens if layout is None else b * q
         la = self.table_lookahead
-        m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
-        samplers = [s for s in sched if s.sample] if with_sampling else []
-        ns = len(samplers)
+        if layout is None:
+            m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
+        else:
+            m = layout.table_width
+        samplers = ([s for s in sched if s.sample] if with_sampling else []) if layout is None else \
+            (sched if with_sampling else [])
+        ns = len(samplers) if layout is None else (b if with_sampling else 0)
         sizes = [t, t, t, t, b * m, b * q, b * q, ns, ns, ns, ns]
         buf = self._ints.reserve(sum(sizes))
         offs = np.cumsum([0] + sizes)
@@ -117,9 +177,23 @@ class ModelRunner:
         qidx[:] = t  # padding queries read the zero row appended after the T real ones
         qpos[:] = 0
         tables2, qidx2, qpos2 = tables.reshape(b, m), qidx.reshape(b, q), qpos.reshape(b, q)
+        if layout is not None:
+            # padding tokens: id 0 at position j (their column), writing the pad block; they are queries like
+            # any token (attending keys 0..j of their row's table, or of the pad block for dummy rows), so
+            # their values stay finite and never poison a masked-out read of the pad block
+            ids[:] = 0
+            pos[:] = np.tile(np.arange(q), b)
+            slots[:] = pos[:t] % bs + PAD_BLOCK * bs
+            flat[:] = np.arange(t)
+            qidx[:] = flat
+            qpos[:] = pos
+        row_t0 = []
         t0 = 0
         for i, s in enumerate(sched):
             req, n = s.request, s.num_tokens
+            if layout is not None:
+                t0 = i * q
+            row_t0.append(t0)
             blocks = np.asarray(req.block_ids, dtype=np.int64)
             p = np.arange(s.start, s.start + n, dtype=np.int64)
             known = n - s.num_drafts
@@ -137,28 +211,45 @@ class ModelRunner:
         for j, s in enumerate(samplers):
             (topk[j], seeds[j], offsets[j]), (fbuf[j], fbuf[ns + j], fbuf[2 * ns + j]) = \
                 sampling_row(s.request, self.vocab_size)
-        ends = np.cumsum([s.num_tokens for s in sched]) - 1  # last flat token of each request
-        lidx[:] = [ends[i] for i, s in enumerate(sched) if s.sample and with_sampling]
+        if ns > len(samplers):  # dummy rows: greedy
+            topk[len(samplers):], seeds[len(samplers):], offsets[len(samplers):] = self.vocab_size, 0, 0
+            fbuf[len(samplers):ns], fbuf[ns + len(samplers):2 * ns], fbuf[2 * ns + len(samplers):] = 0.0, 1.0, 0.0
+        if layout is None:
+            ends = np.cumsum([s.num_tokens for s in sched]) - 1  # last flat token of each request
+            lidx[:] = [ends[i] for i, s in enumerate(sched) if s.sample and with_sampling]
+        elif ns:
+            lidx[:] = np.arange(b) * q  # decode graphs: one token per row
+        self.row_t0 = row_t0
 
         dev = self._ints.upload(int(offs[-1]))
         d = [dev[offs[i]:offs[i + 1]] for i in range(len(sizes))]
-        query_pos = d[6].view(b, q)
         meta = AttentionMetadata(
-            slot_mapping=d[2], block_tables=d[4].view(b, m), query_index=d[5].view(b, q), flat_index=d[3],
-            mask=build_mask(query_pos, m * bs, self.sliding_window),
+            slot_mapping=d[2], block_tables=d[4].view(b, m), query_index=d[5].view(b, q), query_pos=d[6].view(b, q),
+            flat_index=d[3], sliding_window=self.sliding_window, backend=self.attention_backend,
         )
         sampling = None
         if ns:
-            sampling = sampling_tensors([s.request for s in samplers], d[8:11], self._floats.upload(3 * ns))
+            reqs = [s.request for s in samplers]
+            sampling = sampling_tensors(reqs, d[8:11], self._floats.upload(3 * ns), ns)
         return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
         """Run one step; returns one result per scheduled request, in schedule order."""
-        inp = self.prepare(batch)
-        hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views)
-        tokens = iter([])
-        if inp.sampling is not None:
-            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
-            tokens = iter(sample(logits, inp.sampling).tolist())  # the step's one device -> host copy
+        layout = self.graph_layout(batch)
+        inp = self.prepare(batch, layout=layout)
+        if layout is None:
+            tokens = self._decode(inp)
+        else:
+            smp = inp.sampling
+            tokens = self.graphs.run((layout, smp.all_greedy, smp.needs_filter), lambda: self._decode(inp))
+        tokens = iter(tokens.tolist() if tokens is not None else [])  # the step's one device -> host copy
         return [RowResult([next(tokens)] if s.sample else []) for s in batch.scheduled]
+
+    def _decode(self, inp: StepInputs) -> torch.Tensor | None:
+        """Target forward + sampling, all on the device -> tokens [S] (None when no row samples)."""
+        hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views)
+        if inp.sampling is None:
+            return None
+        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+        return sample(logits, inp.sampling)

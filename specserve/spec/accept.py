@@ -71,12 +71,14 @@ def accept(
     drafts: torch.Tensor,
     num_drafts: torch.Tensor,
     a: AcceptInputs,
-    forced: int | None = None,
+    forced: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, D+1, V] float32 at the verified positions; drafts [B, D]; num_drafts [B].
 
     Returns (accepted [B] int64, emitted [B, D+1] int64); row r emits ``emitted[r, :accepted[r] + 1]``.
-    ``forced`` accepts exactly min(forced, num_drafts) drafts whatever they are (breaks losslessness).
+    ``forced`` accepts min(forced, num_drafts) drafts whatever they are (breaks losslessness); a fractional
+    value accepts floor(forced) or floor(forced) + 1, the latter with probability frac(forced) per step (a
+    hash of the row's seed and position), so the mean acceptance length is forced + 1.
     """
     b, d1, v = logits.shape
     d = d1 - 1
@@ -87,8 +89,7 @@ def accept(
     greedy_ok = drafts == argmax[:, :d]
     if a.simple_greedy:
         ok = greedy_ok & valid
-        accepted = _prefix(ok) if forced is None else torch.minimum(torch.full_like(num_drafts, forced),
-                                                                   num_drafts * a.can_accept)
+        accepted = _prefix(ok) if forced is None else _forced(forced, num_drafts, a)
         return accepted, _emit(drafts, argmax[rows, accepted], accepted)
 
     n = a.sampling.temperature.shape[0]
@@ -115,7 +116,7 @@ def accept(
         accepted = _prefix(ok)
         rejected = accepted < num_drafts * a.can_accept  # a draft at position `accepted` was turned down
     else:
-        accepted = torch.minimum(torch.full_like(num_drafts, forced), num_drafts * a.can_accept)
+        accepted = _forced(forced, num_drafts, a)
         rejected = torch.zeros_like(a.greedy)
 
     # bonus token at position `accepted`
@@ -129,6 +130,15 @@ def accept(
     relaxed_here = a.relaxed & state[rows, accepted]
     bonus = torch.where(a.greedy | relaxed_here, argmax[rows, accepted], sampled_bonus)
     return accepted, _emit(drafts, bonus, accepted)
+
+
+def _forced(forced: float, num_drafts: torch.Tensor, a: AcceptInputs) -> torch.Tensor:
+    base = int(forced)
+    k = torch.full_like(num_drafts, base)
+    if forced > base:
+        u = _uniform_scalar(a.sampling.seeds ^ 0x1F2E3D, a.sampling.offsets[:, None])[:, 0]  # [B]
+        k = k + (u < forced - base).to(k.dtype)
+    return torch.minimum(k, num_drafts * a.can_accept)
 
 
 def _prefix(ok: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,16 @@ def load_draft_head(spec: SpeculativeConfig, target_model, device, dtype) -> Dra
     """Build the head named by ``spec`` for ``target_model`` (a LlamaForCausalLM) on ``device``."""
     if spec.draft_model is None:
         raise ValueError("speculative decoding needs a draft_model folder (--draft PATH)")
+    if spec.draft_model == "random":  # benchmarks: a random head with the target's shapes, built on the device
+        from specserve.spec.random_heads import random_head
+
+        with torch.device(device):
+            head = random_head(target_model.config, spec.method, draft_vocab=min(32000, target_model.config.vocab_size),
+                               own_head=spec.method == "eagle3")
+        head = head.to(dtype=dtype)
+        if isinstance(head, Eagle3Head):
+            head.d2t = head.d2t.to(torch.int64)
+        return bind_head(head, target_model)
     folder = Path(spec.draft_model).expanduser()
     raw, tensors = _read(folder)
     target_cfg = target_model.config

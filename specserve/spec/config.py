@@ -23,8 +23,9 @@ class SpeculativeConfig:
       mtp_eagle: MTP only. True runs the first MTP module D times autoregressively (MTP-Eagle); False
         runs module k at draft position k (vanilla, needs D <= number of modules). None picks
         MTP-Eagle when the checkpoint has fewer modules than D, vanilla otherwise.
-      forced_acceptance: performance experiments only. Accept exactly this many drafts every step,
-        whatever they are. BREAKS LOSSLESSNESS: outputs are no longer the target's.
+      forced_acceptance: performance experiments only. Accept this many drafts every step, whatever they
+        are (a fractional value alternates between its floor and ceiling so the mean matches). BREAKS
+        LOSSLESSNESS: outputs are no longer the target's.
       use_relaxed_acceptance_for_thinking: inside a reasoning model's thinking phase, accept a draft that
         is among the ``relaxed_topk`` most likely tokens with probability >= top-1 - ``relaxed_delta``
         (lossy by design, opt-in; requests can override these three per request). Outside the phase,
@@ -41,7 +42,7 @@ class SpeculativeConfig:
     max_draft_len: int = 4
     eagle3_layers_to_capture: tuple[int, ...] | None = None
     mtp_eagle: bool | None = None
-    forced_acceptance: int | None = None
+    forced_acceptance: float | None = None
     use_relaxed_acceptance_for_thinking: bool = False
     relaxed_topk: int = 1
     relaxed_delta: float = 0.0

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.models.attention import AttentionMetadata, build_mask
+from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from specserve.models.llama import Attention, DecoderLayer
 
@@ -110,8 +110,8 @@ class DraftHead(nn.Module):
             blk = x.block_tables[rows, torch.clamp(pos // x.block_size, max=m - 1)]
             slot = torch.where(x.draft_ok, blk * x.block_size + pos % x.block_size, torch.zeros_like(pos))
             meta = AttentionMetadata(slot_mapping=slot, block_tables=x.block_tables, query_index=rows[:, None],
-                                     flat_index=rows, mask=build_mask(pos[:, None], m * x.block_size,
-                                                                      self.target.config.sliding_window))
+                                     query_pos=pos[:, None], flat_index=rows, sliding_window=x.meta.sliding_window,
+                                     backend=x.meta.backend)
             last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
             tok = self.draft_ids(k, last)
             drafts.append(tok)

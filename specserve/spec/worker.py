@@ -22,7 +22,8 @@ import torch
 
 from specserve.cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.model_runner import ModelRunner, RowResult, _Staging, sampling_row, sampling_tensors
+from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, _Staging, sampling_row,
+                                          sampling_tensors)  # noqa: F401
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.accept import AcceptInputs, accept
 from specserve.spec.config import SpeculativeConfig
@@ -34,23 +35,38 @@ class SpecDecodeRunner(ModelRunner):
     remove_rejected = True
 
     def __init__(self, model: LlamaForCausalLM, head: DraftHead, kv_cache: KVCache, device: torch.device,
-                 spec: SpeculativeConfig, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
-        super().__init__(model, kv_cache, device)
+                 spec: SpeculativeConfig, thinking_tokens: tuple[int, int] = (-1, -1), **runner_kwargs) -> None:
+        d = spec.max_draft_len
+        self.num_drafts = d
+        self.table_lookahead = d - 1  # the draft loop writes up to last_pos + D - 1
+        self.graph_q_extra = d  # a graph step verifies 1 + D tokens per row
+        rows = runner_kwargs.get("cuda_graph_max_rows", 0) if device.type == "cuda" else 0
+        q = d + 1
+        self._spec_ints = _Staging(torch.int64, device, rows * (q + d + 10 + (q + d + 2) + 4) * 2)
+        self._spec_floats = _Staging(torch.float32, device, 8 * rows)
+        super().__init__(model, kv_cache, device, **runner_kwargs)
         n = model.config.num_hidden_layers
         self.head = head
         self.head_kv = kv_cache.layer_views()[n:n + head.num_kv_layers]
         self.spec = spec
-        self.num_drafts = spec.max_draft_len
         self.forced = spec.forced_acceptance
         self.thinking_tokens = thinking_tokens
-        self.table_lookahead = self.num_drafts - 1  # the draft loop writes up to last_pos + D - 1
-        self._spec_ints = _Staging(torch.int64, device)
-        self._spec_floats = _Staging(torch.float32, device)
 
-    def _spec_inputs(self, batch: SchedulerOutput, q: int):
-        """Host arrays for acceptance and drafting -> device views (one more upload)."""
+    def _staging_buffers(self) -> list:
+        return [self._ints, self._floats, self._spec_ints, self._spec_floats]
+
+    def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
+        """A step where every row verifies drafts after one known token runs as a graph (rows with fewer
+        than D drafts, near their end, pad their tokens)."""
+        if self.graphs is None or not all(s.sample and s.num_tokens - s.num_drafts == 1 for s in batch.scheduled):
+            return None
+        return self._layout(batch, 1 + self.num_drafts)
+
+    def _spec_inputs(self, batch: SchedulerOutput, q: int, rows: int):
+        """Host arrays for acceptance and drafting -> device views (one more upload). ``rows`` > the batch
+        pads with dummy rows (a graph step) that verify nothing and draft into the pad block."""
         sched = batch.scheduled
-        b, d = len(sched), self.num_drafts
+        b, d = rows, self.num_drafts
         w = q + d + 2
         sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w, b, b, b, b]
         names = ["verify_idx", "drafts", "num_drafts", "can_accept", "base_col", "t0", "start",
@@ -63,8 +79,17 @@ class SpecDecodeRunner(ModelRunner):
         vidx, drafts, ext = a["verify_idx"].reshape(b, d + 1), a["drafts"].reshape(b, d), a["ext"].reshape(b, w)
         fl = self._spec_floats.reserve(4 * b)
         cfg = self.spec
-        t0 = 0
+        if b > len(sched):  # dummy rows
+            k = len(sched)
+            vidx[k:] = (np.arange(k, b) * q)[:, None]
+            for name, value in (("num_drafts", 0), ("can_accept", 0), ("greedy", 1), ("relaxed", 0),
+                                ("relaxed_topk", 1), ("thinking", 0), ("base_col", 0), ("start", 0),
+                                ("top_k", self.vocab_size), ("seeds", 0), ("offsets", 0)):
+                a[name][k:] = value
+            a["t0"][k:] = np.arange(k, b) * q
+            fl[k:b], fl[b + k:2 * b], fl[2 * b + k:3 * b], fl[3 * b + k:4 * b] = 0.0, 1.0, 0.0, 0.0
         for i, s in enumerate(sched):
+            t0 = self.row_t0[i]
             req, n, nd = s.request, s.num_tokens, s.num_drafts
             base = t0 + n - 1 - nd  # flat index of the first verified position (the last known token)
             vidx[i] = np.minimum(base + np.arange(d + 1), base + nd)
@@ -87,11 +112,10 @@ class SpecDecodeRunner(ModelRunner):
             if not s.sample:  # prompt lookahead: the next known tokens after a non-final chunk
                 nxt = req.token_ids[s.start + n:s.start + n + d + 1]
                 ext[i, n:n + len(nxt)] = nxt
-            t0 += n
         dev = self._spec_ints.upload(int(offs[-1]))
         t = {k: dev[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
         fdev = self._spec_floats.upload(4 * b)
-        sampling = sampling_tensors([s.request for s in sched], [t["top_k"], t["seeds"], t["offsets"]], fdev)
+        sampling = sampling_tensors([s.request for s in sched], [t["top_k"], t["seeds"], t["offsets"]], fdev, b)
         any_relaxed = bool(a["relaxed"].any())
         acc = AcceptInputs(
             sampling=sampling, greedy=t["greedy"].bool(), can_accept=t["can_accept"].bool(),
@@ -104,11 +128,33 @@ class SpecDecodeRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
-        inp = self.prepare(batch, with_sampling=False)
+        layout = self.graph_layout(batch)
+        inp = self.prepare(batch, with_sampling=False, layout=layout)
         sched = batch.scheduled
-        b, d = len(sched), self.num_drafts
+        b = len(sched) if layout is None else layout.rows
         q = inp.meta.query_index.shape[1]
-        t, acc_in, w = self._spec_inputs(batch, q)
+        t, acc_in, w = self._spec_inputs(batch, q, b)
+        self._host_rows = sched  # test heads read the scheduled rows; device heads never do
+        if layout is None:
+            out = self._step(inp, t, acc_in, w)
+        else:
+            key = (layout, acc_in.simple_greedy, acc_in.sampling.all_greedy, acc_in.sampling.needs_filter,
+                   acc_in.max_topk)
+            out = self.graphs.run(key, lambda: self._step(inp, t, acc_in, w))
+        d = self.num_drafts
+        results = []
+        for s, row in zip(sched, out.tolist()):  # the one device -> host copy
+            if not s.sample:
+                results.append(RowResult([]))
+                continue
+            acc = row[0]
+            results.append(RowResult(row[1:acc + 2], row[d + 2:], s.num_drafts, acc))
+        return results
+
+    def _step(self, inp, t: dict, acc_in: AcceptInputs, w: int) -> torch.Tensor:
+        """Verify, accept and draft on the device -> [B, 1 + (D+1) + D]: accepted count, emitted tokens, drafts."""
+        b, q = inp.meta.query_index.shape
+        d = self.num_drafts
         hidden, aux = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views,
                                  aux_layers=self.head.aux_layers)
         # verify + accept
@@ -126,15 +172,7 @@ class SpecDecodeRunner(ModelRunner):
             ids_ext=ext, row_of_token=flat // q, col_of_token=flat % q, positions=inp.positions, meta=inp.meta,
             hidden=hidden, aux=aux, last_idx=t["t0"] + last_col, last_col=last_col, last_pos=t["start"] + last_col,
             block_tables=inp.meta.block_tables, draft_ok=sample_row, block_size=self.block_size, num_drafts=d,
-            host_rows=sched,
+            host_rows=self._host_rows,
         )
         drafts = self.head.propose(x, self.head_kv)  # [B, D]
-        out = torch.cat((accepted[:, None], emitted, drafts), dim=1).tolist()  # the one device -> host copy
-        results = []
-        for s, row in zip(sched, out):
-            if not s.sample:
-                results.append(RowResult([]))
-                continue
-            acc = row[0]
-            results.append(RowResult(row[1:acc + 2], row[d + 2:], s.num_drafts, acc))
-        return results
+        return torch.cat((accepted[:, None], emitted, drafts), dim=1)

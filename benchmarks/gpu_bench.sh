@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
+# default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
+# random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
+#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale]
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+M=/root/model.gguf
+HEAD=specserve/heads/smollm2-135m-eagle3
+stages=${*:-tests default throughput scale}
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" ; }
+for st in $stages; do
+  echo "===== $st $(date +%T)"
+  case $st in
+    tests) SPECSERVE_TEST_GGUF=$M timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+             tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
+    default) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf hf-compile --out $OUT/default 2>&1 | quiet | tail -22 ;;
+    throughput) timeout 120 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
+             --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput 2>&1 | quiet | tail -16 ;;
+    scale) timeout 200 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
+             --forced-acceptance ${FORCED:-1.64} --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
+             --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;
+  esac
+done
+echo "===== done $(date +%T)"

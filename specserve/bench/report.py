@@ -1,0 +1,71 @@
+"""``specserve bench`` outputs: a printed table, ``bench.json``, ``bench.md`` and ``bench.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _f(x, fmt=".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(result: dict) -> str:
+    """The rows as a markdown table, then the ratios and step timings."""
+    meta = result["meta"]
+    lines = [f"model {meta['model']} · {meta['device']} · torch {meta['torch']} · {meta['date']}", "",
+             "| engine | spec | batch | new tok | tok/s | AL | per-position | TTFT p50/p90/p99 ms | "
+             "TPOT p50/p90/p99 ms | weight GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        spec = "on" if r.get("speculative") else "off"
+        al = _f(r.get("acceptance_length"), ".2f")
+        pp = " ".join(f"{p:.2f}" for p in r.get("per_position_acceptance") or []) or "-"
+        ttft = "/".join(_f(r["ttft_ms"][k]) for k in ("p50", "p90", "p99")) if "ttft_ms" in r else "-"
+        tpot = "/".join(_f(r["tpot_ms"][k], ".2f") for k in ("p50", "p90", "p99")) if "tpot_ms" in r else "-"
+        bw = _f(r.get("achieved_weight_gbps"), ".0f")
+        lines.append(f"| {r['engine']} | {spec} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} | "
+                     f"{al} | {pp} | {ttft} | {tpot} | {bw} |")
+    if result.get("ratios"):
+        lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f}x |" for k, v in result["ratios"].items()]
+    for s in result.get("steps", []):
+        lines += ["", f"Step times at batch {s['batch']}, context {s['context']}, D = {s['draft_len']} "
+                      f"(CUDA-graph replays, median; copy bandwidth {s['copy_bandwidth_gbps']:.0f} GB/s):", "",
+                  "| piece | ms | roofline ms | ratio |", "|---|---|---|---|",
+                  f"| decode step | {s['decode_ms']:.3f} | {s['decode_roofline_ms']:.3f} | "
+                  f"{s['decode_fraction_of_roofline']:.0%} of roofline |",
+                  f"| verify step (1 + D tokens) | {s['verify_ms']:.3f} | - | {s['verify_over_decode']:.2f}x decode |",
+                  f"| draft loop (+ acceptance) | {s['draft_loop_ms']:.3f} | {s['draft_loop_roofline_ms']:.3f} | "
+                  f"{s['draft_loop_over_roofline']:.2f}x roofline |",
+                  f"| whole speculative step | {s['spec_step_ms']:.3f} | - | - |"]
+    return "\n".join(lines)
+
+
+def write_outputs(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "bench.md").write_text(table(result) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict = {}
+    for r in result["rows"]:
+        name = r["engine"] + (" + spec" if r.get("speculative") else "")
+        series.setdefault(name, []).append((r["batch"], r["tokens_per_s"]))
+    for name, pts in series.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"{result['meta']['model']} on {result['meta']['device']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,325 @@
+"""The benchmark driver: prompts -> (configuration x batch size) runs -> rows of figures -> JSON, markdown, PNG.
+
+Every run generates exactly ``max_tokens`` new tokens per request (EOS ignored) for ``batch`` requests
+submitted together (offline, continuous batching with ``max_num_seqs = batch``). Each configuration is
+warmed up once per batch size (CUDA-graph capture, Triton compilation, allocator growth), then timed
+``repeats`` times with the device synchronised; the reported run is the one with the median wall time.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specserve")
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None  # HF folder, .gguf, random:NAME, or None for the embedded default
+    prompts: list[str] = field(default_factory=list)  # prompt files (JSONL/JSON shapes of train.prompts)
+    random_input_len: int | None = None  # random token-id prompts of this length instead of files
+    num_prompts: int = 64
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    max_tokens: int = 256
+    speculative: str = "both"  # on | off | both
+    method: str = "eagle3"
+    draft: str | None = None  # head folder, "random", or None: the shipped head for the default model
+    draft_len: int = 4
+    forced_acceptance: float | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    repeats: int = 3
+    compare: list[str] = field(default_factory=list)  # hf, hf-compile
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None
+    chat_template: bool = True
+    seed: int = 0
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative not in ("on", "off", "both"):
+            raise ValueError(f"--speculative must be on, off or both, got {self.speculative!r}")
+        bad = [c for c in self.compare if c not in ("hf", "hf-compile")]
+        if bad:
+            raise ValueError(f"--compare takes hf and/or hf-compile, got {bad}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("--batch-size values must be >= 1")
+        if self.max_tokens < 2 or self.repeats < 1:
+            raise ValueError("--max-tokens must be >= 2 and --repeats >= 1")
+        if not self.prompts and self.random_input_len is None and self.model is not None and \
+                str(self.model).startswith("random:"):
+            self.random_input_len = 128
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def load_prompt_ids(cfg: BenchConfig, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Token ids of the benchmark prompts (chat template applied to file prompts when the model has one)."""
+    if cfg.prompts:
+        from specserve.train.prompts import read_prompts
+
+        texts = read_prompts(cfg.prompts)[:cfg.num_prompts]
+        if not texts:
+            raise ValueError("the prompt files hold no prompts")
+        if cfg.chat_template and tokenizer.has_chat_template:
+            return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        return [tokenizer.encode(t) for t in texts]
+    if cfg.random_input_len is None:
+        from specserve.bench.prompts import DEFAULT_PROMPTS
+
+        return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) if tokenizer.has_chat_template
+                else tokenizer.encode(t) for t in DEFAULT_PROMPTS[:cfg.num_prompts]]
+    g = torch.Generator().manual_seed(cfg.seed)
+    return [torch.randint(10, vocab_size, (cfg.random_input_len,), generator=g).tolist()
+            for _ in range(cfg.num_prompts)]
+
+
+def _spec_config(cfg: BenchConfig) -> dict | None:
+    from specserve.heads import default_speculative_config
+
+    if cfg.draft is None:
+        if cfg.model not in (None, "default"):
+            raise ValueError("--speculative on needs --draft HEAD (a head folder, or 'random' with "
+                             "--forced-acceptance) for a model other than the embedded default")
+        spec = default_speculative_config(cfg.method, cfg.draft_len)
+    else:
+        spec = dict(method=cfg.method, draft_model=cfg.draft, max_draft_len=cfg.draft_len)
+    if cfg.forced_acceptance is not None:
+        spec["forced_acceptance"] = cfg.forced_acceptance
+    return spec
+
+
+def weight_bytes(module: torch.nn.Module, exclude: set[int] = frozenset()) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in exclude)
+
+
+def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -> list[dict]:
+    from specserve import LLM, SamplingParams
+    from specserve.core.metrics import SpecStats
+
+    max_b = max(cfg.batch_sizes)
+    kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
+              max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
+              max_cuda_graph_batch_size=max_b)
+    if cfg.kv_cache_memory_bytes:
+        kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    if spec:
+        kw["speculative_config"] = _spec_config(cfg)
+    llm = LLM(cfg.model, **kw)
+    eng = llm.engine
+    dev = eng.device
+    target_bytes = weight_bytes(eng.model)
+    head_bytes = 0
+    if eng.head is not None:
+        shared = {id(p) for p in eng.model.parameters()}
+        head_bytes = weight_bytes(eng.head, shared)
+    sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    rows = []
+    for b in cfg.batch_sizes:
+        batch = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(b)]
+        runs = []
+        for r in range(cfg.repeats + 1):  # the first is the warm-up
+            eng.spec_stats = SpecStats()
+            steps0 = eng.num_steps
+            _sync(dev)
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, sp)
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            if r:
+                runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats))
+        runs.sort(key=lambda x: x["seconds"])
+        med = runs[len(runs) // 2]
+        outs, st = med["outs"], med["stats"]
+        ttft = [o.timings()["ttft_s"] * 1e3 for o in outs if o.timings().get("ttft_s") is not None]
+        tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
+        n_tok = sum(len(o.token_ids) for o in outs)
+        row = dict(engine="specserve", speculative=spec, batch=b, new_tokens=cfg.max_tokens,
+                   seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
+                   steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
+                   ttft_ms={p: _pct(ttft, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
+                   tpot_ms={p: _pct(tpot, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
+                   weight_bytes=target_bytes + head_bytes,
+                   # weights read once per engine step (KV reads not counted): a lower bound on traffic
+                   achieved_weight_gbps=(target_bytes + head_bytes) * med["steps"] / med["seconds"] / 1e9,
+                   first_tokens=outs[0].token_ids[:16],
+                   graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0)
+        if spec:
+            row.update(acceptance_length=st.acceptance_length, per_position_acceptance=st.per_position,
+                       draft_len=cfg.draft_len, forced_acceptance=cfg.forced_acceptance)
+        rows.append(row)
+        log.info("specserve spec=%s batch=%d: %.1f tok/s", spec, b, row["tokens_per_s"])
+    del llm, eng
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> list[dict]:
+    """transformers ``generate`` (greedy, same prompts and new-token count); ``compiled``: a static KV cache,
+    with which ``generate`` compiles the decoding forward itself (transformers' automatic compilation of a
+    compileable cache; its own ``compile_config`` defaults)."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.config import resolve_device, resolve_dtype
+    from specserve.loaders import resolve_model_path
+
+    dev = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, dev)
+    path = resolve_model_path(cfg.model)
+    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = model.to(dev).eval()
+    name = "transformers+compile" if compiled else "transformers"
+    if compiled:
+        model.generation_config.cache_implementation = "static"
+    rows = []
+    for b in cfg.batch_sizes:
+        ids = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
+        width = max(len(x) for x in ids)
+        inp = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, width, dtype=torch.long)
+        for i, x in enumerate(ids):  # left padding, as generate expects for decoder-only models
+            inp[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+        inp, mask = inp.to(dev), mask.to(dev)
+        times, out = [], None
+        for r in range(cfg.repeats + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=cfg.max_tokens,
+                                     min_new_tokens=cfg.max_tokens, do_sample=False, pad_token_id=0)
+            _sync(dev)
+            if r:
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        rows.append(dict(engine=name, speculative=False, batch=b, new_tokens=cfg.max_tokens, seconds=med,
+                         all_seconds=times, tokens_per_s=b * cfg.max_tokens / med,
+                         first_tokens=out[0, width:width + 16].tolist()))
+        log.info("%s batch=%d: %.1f tok/s", name, b, rows[-1]["tokens_per_s"])
+    del model
+    return rows
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 20) -> float | None:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), median of ``repeats``."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    from specserve.config import resolve_device
+    from specserve.loaders import load_config
+
+    dev = resolve_device(cfg.device)
+    mcfg = load_config(cfg.model)
+    rows: list[dict] = []
+    prompt_ids = _prompts_for(cfg, mcfg)
+    for spec in {"on": [True], "off": [False], "both": [False, True]}[cfg.speculative]:
+        rows += bench_specserve(cfg, prompt_ids, spec)
+    extras: dict = {}
+    for c in cfg.compare:
+        try:
+            rows += bench_hf(cfg, prompt_ids, compiled=c == "hf-compile")
+        except Exception as e:  # a baseline that cannot run is reported, not fatal
+            log.warning("%s baseline failed: %s", c, e)
+            extras[f"{c}_error"] = f"{type(e).__name__}: {e}"
+    bw = copy_bandwidth(dev)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=_device_name(dev), torch=torch.__version__,
+                model=str(cfg.model or "default"), dtype=cfg.dtype, copy_bandwidth_gbps=bw, config=asdict(cfg),
+                **extras)
+    result = dict(meta=meta, rows=rows, ratios=_ratios(rows))
+    if cfg.out:
+        from specserve.bench.report import write_outputs
+
+        write_outputs(Path(cfg.out), result)
+    return result
+
+
+def _prompts_for(cfg: BenchConfig, mcfg) -> list[list[int]]:
+    from specserve.loaders import resolve_model_path
+    from specserve.loaders.random_model import is_random_ref, word_tokenizer
+    from specserve.tokenizer import Tokenizer
+
+    if is_random_ref(cfg.model):
+        tok = Tokenizer(word_tokenizer(mcfg.vocab_size, mcfg.eos_token_ids[0]))
+    else:
+        path = resolve_model_path(cfg.model)
+        tok = Tokenizer.from_gguf(path) if path.is_file() else Tokenizer.from_folder(path)
+    return load_prompt_ids(cfg, tok, mcfg.vocab_size)
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)"
+
+
+def _ratios(rows: list[dict]) -> dict:
+    """tokens/s ratios at each batch size: specserve (plain and speculative) over each baseline."""
+    by = {(r["engine"], r["speculative"], r["batch"]): r["tokens_per_s"] for r in rows}
+    out: dict = {}
+    for (eng, spec, b), tps in by.items():
+        if eng != "specserve":
+            continue
+        name = "specserve+spec" if spec else "specserve"
+        for base in ("transformers", "transformers+compile"):
+            if (base, False, b) in by:
+                out[f"{name} / {base} @ batch {b}"] = tps / by[(base, False, b)]
+        if spec and ("specserve", False, b) in by:
+            out[f"specserve+spec / specserve @ batch {b}"] = tps / by[("specserve", False, b)]
+    return out
+
+
+def step_timings(cfg: BenchConfig, batches: list[int], context: int, bandwidth_gbps: float | None) -> list[dict]:
+    """Decode / verify / draft-loop graph times at each batch size (``steps.step_times``), CUDA only."""
+    from specserve import LLM
+    from specserve.bench.steps import step_times
+    from specserve.config import resolve_device
+
+    dev = resolve_device(cfg.device)
+    if dev.type != "cuda" or cfg.enforce_eager:
+        raise ValueError("--steps times CUDA graphs: it needs a CUDA device and no --enforce-eager")
+    spec = _spec_config(cfg)
+    llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_seqs=max(batches),
+              max_cuda_graph_batch_size=max(batches), speculative_config=spec,
+              kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, max_num_batched_tokens=max(2048, context + 1))
+    out = [step_times(llm, b, context, bandwidth_gbps or copy_bandwidth(dev)) for b in batches]
+    del llm
+    torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,103 @@
+"""GPU time of the pieces of one engine step, against the memory roofline (``specserve bench --steps``).
+
+With B requests at a given context length in the generation phase, three CUDA graphs are timed by replaying
+them (device events, median): a plain decode step (target forward for 1 token per row + lm_head +
+sampling), a verify step (target forward for 1 + D tokens per row + lm_head at every position), and the
+speculative engine's own captured step (verify + acceptance + the whole draft loop). The draft loop's time
+is the speculative step minus the verify step. Rooflines: weight bytes over the device-to-device copy
+bandwidth measured in the same run (bytes read + written), i.e. reading every weight once per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from specserve.runner.model_runner import GraphLayout, ModelRunner
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@torch.inference_mode()
+def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int = 0) -> dict:
+    """``llm``: an LLM with a speculative config on CUDA. Returns milliseconds and roofline ratios."""
+    from specserve import SamplingParams
+
+    eng = llm.engine
+    runner = eng.runner
+    d = runner.num_drafts
+    g = torch.Generator().manual_seed(seed)
+    vocab = eng.model_config.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    rids = [eng.add_request(torch.randint(10, vocab, (context,), generator=g).tolist(), sp) for _ in range(batch)]
+    reqs = [eng.requests[r] for r in rids]
+    for _ in range(4):  # prefill, then a few speculative steps (captures the engine's graph)
+        eng.step()
+    entries = SchedulerOutput([ScheduledRequest(r, r.num_computed_tokens, d + 1, True, d) for r in reqs])
+    layout = runner.graph_layout(entries)  # the layout of the engine's next step (same context bucket)
+    spec_graphs = [v[0] for k, v in runner.graphs._graphs.items() if k[0] == layout]
+    if not spec_graphs:
+        raise RuntimeError("no speculative CUDA graph was captured (enforce_eager, or batch too large?)")
+    spec_ms = replay_ms(spec_graphs[-1])
+    plain = ModelRunner(eng.model, eng.kv_cache, eng.device, max_model_len=eng.max_model_len)
+
+    def layout_inputs(q: int):
+        entries = [ScheduledRequest(r, r.num_computed_tokens, q, True, q - 1) for r in reqs]
+        for r in reqs:  # drafts to verify (values do not matter for timing)
+            r.spec_token_ids = (r.spec_token_ids + [0] * d)[:q - 1]
+        return plain.prepare(SchedulerOutput(entries), layout=GraphLayout(layout.rows, q, layout.table_width))
+
+    inp1 = layout_inputs(1)
+    decode = _capture(lambda: plain._decode(inp1))
+    decode_ms = replay_ms(decode)
+    inpq = layout_inputs(d + 1)
+
+    def verify():
+        hidden, aux = eng.model(inpq.input_ids, inpq.positions, inpq.meta, plain.kv_views,
+                                aux_layers=runner.head.aux_layers)
+        return eng.model.compute_logits(hidden).argmax(-1)
+
+    verify_ms = replay_ms(_capture(verify))
+    for r in rids:
+        eng.abort_request(r)
+
+    target_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    shared = {id(p) for p in eng.model.parameters()}
+    head_params = [(n, p) for n, p in runner.head.named_parameters() if id(p) not in shared]
+    head_bytes = sum(p.numel() * p.element_size() for _, p in head_params)
+    fc_bytes = sum(p.numel() * p.element_size() for n, p in head_params if n.startswith("fc."))
+    bw = bandwidth_gbps * 1e9
+    decode_roof = target_bytes / bw * 1e3
+    draft_loop_ms = spec_ms - verify_ms
+    draft_roof = (d * (head_bytes - fc_bytes) + fc_bytes) / bw * 1e3
+    return dict(batch=batch, context=context, draft_len=d, decode_ms=decode_ms, verify_ms=verify_ms,
+                spec_step_ms=spec_ms, draft_loop_ms=draft_loop_ms, target_bytes=target_bytes, head_bytes=head_bytes,
+                decode_roofline_ms=decode_roof, decode_fraction_of_roofline=decode_roof / decode_ms,
+                verify_over_decode=verify_ms / decode_ms, draft_loop_roofline_ms=draft_roof,
+                draft_loop_over_roofline=draft_loop_ms / draft_roof, copy_bandwidth_gbps=bandwidth_gbps)

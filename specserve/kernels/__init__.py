@@ -1,0 +1,32 @@
+"""Triton kernels for the CUDA path, each with the PyTorch code it replaces as its tested reference.
+
+The model calls the functions below; they pick the Triton kernel when the tensors live on a CUDA device
+and Triton is importable (``SPECSERVE_TRITON=0`` turns them off), and the PyTorch reference otherwise
+(the CPU, where the losslessness tests run). ``tests/test_kernels.py`` compares each kernel with its
+reference on random inputs (on the GPU machine, or on the CPU through Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    if os.environ.get("SPECSERVE_TRITON", "1") == "0":
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Run the Triton kernel for tensors like ``x`` (CUDA, or the CPU under TRITON_INTERPRET=1).
+
+    Never while autograd records (training a head): the kernels have no backward."""
+    if not triton_available() or torch.is_grad_enabled():
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

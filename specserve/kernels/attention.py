@@ -1,0 +1,237 @@
+"""Paged attention over the KV cache as one Triton kernel (plus a small combine kernel).
+
+Layout (the one ``AttentionMetadata`` describes): row b's queries are the flat tokens
+``query_index[b, :]`` (padding points at T) at positions ``query_pos[b, :]``; row b's key at position
+j lives in block ``block_tables[b, j // block_size]``. A query at position p attends keys 0..p
+(and only the last ``sliding_window`` of them when set).
+
+Work split: one program per (row, query tile, KV head, key split). The query heads sharing a KV head
+(GQA) and the queries of a tile are packed into the rows of one ``tl.dot``, so a verify step with 1 + D
+queries costs about what a decode step costs. Keys are split in ranges of ``SPLIT`` positions so that a
+batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
+once, and a second kernel merges the splits' partial softmax sums. Positions are read on the device, so
+the launch shape depends only on host-known sizes and the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specserve.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SPLIT = 256  # key positions per split
+BLOCK_N = 64  # key positions per inner iteration
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
+                           sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
+    query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to what the block tables can hold."""
+    t, hq, d = q.shape
+    b, qw = query_index.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    block_m = max(16, min(64, triton.next_power_of_2(qw * g)))
+    qpt = max(1, block_m // g)  # queries per tile
+    n_qt = triton.cdiv(qw, qpt)
+    if num_splits is None:
+        num_splits = triton.cdiv(block_tables.shape[1] * page, SPLIT)
+    head_d = triton.next_power_of_2(d)
+    out = torch.empty_like(q)
+    part_acc = torch.empty((b * n_qt, hkv, num_splits, block_m, head_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b * n_qt, hkv, num_splits, 2, block_m), dtype=torch.float32, device=q.device)
+    if t == 0 or b == 0:
+        return out
+    _attn_split_kernel[(b * n_qt, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, query_index, query_pos, part_acc, part_ml, scale, t, qw, n_qt,
+        sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), query_index.stride(0), num_splits,
+        G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=SPLIT, PAGE=page, D=d, HEAD_D=head_d,
+        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=SPLIT // BLOCK_N)
+    _attn_merge_kernel[(b * n_qt, hkv)](
+        part_acc, part_ml, out, query_index, query_pos, t, qw, n_qt, out.stride(0), out.stride(1),
+        query_index.stride(0), num_splits,
+        G=g, QPT=qpt, BLOCK_M=block_m, SPLIT=SPLIT, D=d, HEAD_D=head_d, DYNAMIC=not _INTERPRET,
+        NS_STATIC=num_splits if _INTERPRET else 0)
+    return out
+
+
+def paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
+                         sliding_window: int | None = None, flat_index=None, mask=None) -> torch.Tensor:
+    """The reference: gather each row's blocks into a dense [B, K] layout and run PyTorch SDPA with a
+    causal/length mask. q [T, Hq, D] -> [T, Hq, D]."""
+    import torch.nn.functional as F
+
+    t, hq, d = q.shape
+    b, qlen = query_index.shape
+    hkv = k_cache.shape[2]
+    num_keys = block_tables.shape[1] * k_cache.shape[1]
+    if mask is None:
+        mask = build_mask(query_pos, num_keys, sliding_window)
+    if flat_index is None:
+        flat_index = _flat_index(query_index, t)
+    q_pad = torch.cat((q, q.new_zeros(1, hq, d)))[query_index]  # [B, Q, Hq, D]
+    k = k_cache[block_tables].view(b, -1, hkv, d)  # [B, K, Hkv, D]
+    v = v_cache[block_tables].view(b, -1, hkv, d)
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=hq != hkv)  # [B, Hq, Q, D]
+    return out.transpose(1, 2).reshape(b * qlen, hq, d)[flat_index]
+
+
+def build_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
+    """query_pos [B, Q] -> mask [B, 1, Q, K] bool (key j visible to a query at p when j <= p)."""
+    keys = torch.arange(num_keys, device=query_pos.device)
+    qp = query_pos.unsqueeze(-1)
+    mask = keys <= qp
+    if sliding_window is not None:
+        mask &= keys > qp - sliding_window
+    return mask.unsqueeze(1)
+
+
+def _flat_index(query_index: torch.Tensor, t: int) -> torch.Tensor:
+    """[T]: b * Q + q of each flat token (inverse of query_index)."""
+    b, qlen = query_index.shape
+    inv = torch.zeros(t + 1, dtype=torch.int64, device=query_index.device)
+    inv.scatter_(0, query_index.reshape(-1), torch.arange(b * qlen, device=query_index.device))
+    return inv[:t]
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
+                    sliding_window: int | None = None, backend: str = "auto", **sdpa_kwargs) -> torch.Tensor:
+    if backend == "triton" or (backend == "auto" and use_triton(q)):
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale,
+                                      sliding_window)
+    return paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_pos, scale, sliding_window,
+                                **sdpa_kwargs)
+
+
+if triton is not None:
+    @triton.jit
+    def _tile_rows(qtile, QPT: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+        m = tl.arange(0, BLOCK_M)
+        return qtile * QPT + m // G, m % G, m < QPT * G
+
+    @triton.jit
+    def _attn_tile(q, qp, start, hi, m_i, l_i, acc, KC, VC, BT, b, kvh, scale, WINDOW, sc_blk, sc_slot, sc_h,
+                   s_bt, dd, dm, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr):
+        """Keys start .. start + BLOCK_N (below hi) folded into the running softmax (m_i, l_i, acc)."""
+        n = start + tl.arange(0, BLOCK_N)
+        nm = n < hi
+        blk = tl.load(BT + b * s_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
+        koff = blk * sc_blk + (n % PAGE) * sc_slot + kvh * sc_h
+        k = tl.load(KC + koff[:, None] + dd[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        vis = (n[None, :] <= qp[:, None]) & nm[None, :]
+        if WINDOW > 0:
+            vis = vis & (n[None, :] > qp[:, None] - WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + koff[:, None] + dd[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attn_split_kernel(Q, KC, VC, BT, QIDX, QPOS, PACC, PML, scale, T, QW, NQT, WINDOW,
+                           sq_t, sq_h, sc_blk, sc_slot, sc_h, s_bt, s_qi, NS,
+                           G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SPLIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
+                           IEEE: tl.constexpr, DYNAMIC: tl.constexpr, ITERS_STATIC: tl.constexpr):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        b = (pid // NQT).to(tl.int64)
+        j, gi, valid = _tile_rows(pid % NQT, QPT, G, BLOCK_M)
+        valid = valid & (j < QW)
+        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
+        valid = valid & (qi < T)
+        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        hq = kvh * G + gi
+        dd = tl.arange(0, HEAD_D)
+        dm = dd < D
+        q = tl.load(Q + qi[:, None] * sq_t + hq[:, None] * sq_h + dd[None, :], mask=valid[:, None] & dm[None, :],
+                    other=0.0)
+        hi = tl.max(qp, axis=0) + 1  # keys needed by this tile: 0 .. max position
+        lo_split = split * SPLIT
+        hi_split = tl.minimum(hi, lo_split + SPLIT)
+        lo = lo_split
+        if DYNAMIC:
+            if WINDOW > 0:  # skip keys no query of the tile can see
+                lo = tl.maximum(lo, tl.min(tl.where(valid, qp, 1 << 30), axis=0) - WINDOW + 1)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+        if DYNAMIC:
+            for it in range(0, tl.cdiv(hi_split - lo, BLOCK_N)):
+                m_i, l_i, acc = _attn_tile(q, qp, lo + it * BLOCK_N, hi_split, m_i, l_i, acc, KC, VC, BT, b, kvh,
+                                           scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm,
+                                           BLOCK_N, PAGE, IEEE)
+        else:  # Triton's interpreter (CPU tests) needs loop bounds known to the host: masked full splits
+            for it in range(0, ITERS_STATIC):
+                m_i, l_i, acc = _attn_tile(q, qp, lo + it * BLOCK_N, hi_split, m_i, l_i, acc, KC, VC, BT, b, kvh,
+                                           scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm,
+                                           BLOCK_N, PAGE, IEEE)
+        base = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NS + split
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(PACC + base * (BLOCK_M * HEAD_D) + rows[:, None] * HEAD_D + dd[None, :], acc)
+        tl.store(PML + base * (2 * BLOCK_M) + rows, m_i)
+        tl.store(PML + base * (2 * BLOCK_M) + BLOCK_M + rows, l_i)
+
+    @triton.jit
+    def _merge_split(PACC, PML, base, rows, dd, m_tot, l_tot, acc, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+        m_s = tl.load(PML + base * (2 * BLOCK_M) + rows)
+        l_s = tl.load(PML + base * (2 * BLOCK_M) + BLOCK_M + rows)
+        a_s = tl.load(PACC + base * (BLOCK_M * HEAD_D) + rows[:, None] * HEAD_D + dd[None, :])
+        m_new = tl.maximum(m_tot, m_s)
+        c_old = tl.exp(m_tot - m_new)
+        c_s = tl.exp(m_s - m_new)
+        return m_new, l_tot * c_old + l_s * c_s, acc * c_old[:, None] + a_s * c_s[:, None]
+
+    @triton.jit
+    def _attn_merge_kernel(PACC, PML, O, QIDX, QPOS, T, QW, NQT, so_t, so_h, s_qi, NS,
+                           G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+                           D: tl.constexpr, HEAD_D: tl.constexpr, DYNAMIC: tl.constexpr,
+                           NS_STATIC: tl.constexpr):
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = (pid // NQT).to(tl.int64)
+        j, gi, valid = _tile_rows(pid % NQT, QPT, G, BLOCK_M)
+        valid = valid & (j < QW)
+        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
+        valid = valid & (qi < T)
+        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        n_used = (tl.max(qp, axis=0) + SPLIT) // SPLIT  # splits that saw keys
+        rows = tl.arange(0, BLOCK_M)
+        dd = tl.arange(0, HEAD_D)
+        m_tot = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+        base0 = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NS
+        if DYNAMIC:
+            for s in range(0, tl.minimum(n_used, NS)):
+                m_tot, l_tot, acc = _merge_split(PACC, PML, base0 + s, rows, dd, m_tot, l_tot, acc, BLOCK_M, HEAD_D)
+        else:  # the interpreter: a host-known bound; unused splits hold l = 0, harmless to merge
+            for s in range(0, NS_STATIC):
+                m_tot, l_tot, acc = _merge_split(PACC, PML, base0 + s, rows, dd, m_tot, l_tot, acc, BLOCK_M, HEAD_D)
+        out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+        hq = kvh * G + gi
+        tl.store(O + qi[:, None] * so_t + hq[:, None] * so_h + dd[None, :], out.to(O.dtype.element_ty),
+                 mask=valid[:, None] & (dd < D)[None, :])

@@ -1,0 +1,70 @@
+"""CUDA graphs for generation steps: one captured graph per (layout, variant), replayed every step.
+
+A *layout* (``GraphLayout``) fixes every shape of a step: rows padded to a captured batch size, tokens per
+row (1, or 1 + D when verifying drafts), block-table width. A *variant* holds the host-known switches a
+step's code takes (all greedy, top-k/p filtering, the relaxed-acceptance window), so a replay runs exactly
+the kernels an eager step would. The runner uploads a step's inputs into staging buffers whose device
+addresses depend only on the layout; the captured graph reads them there. Graphs are captured lazily, on
+the first step that needs one (a warm-up run first compiles the Triton kernels and sets up cuBLAS), and
+all share one memory pool: steps run one at a time, so their temporaries can share memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger("specserve")
+
+
+def capture_sizes(max_rows: int) -> list[int]:
+    """Batch sizes that get graphs (vLLM's ladder): 1, 2, 4, 8, then every 8 up to ``max_rows``."""
+    sizes = [s for s in (1, 2, 4) if s < max_rows] + list(range(8, max_rows + 8, 8))
+    return sorted({min(s, max_rows) for s in sizes} | {max_rows})
+
+
+class CudaGraphs:
+    def __init__(self, max_rows: int, staging: list, capture: bool = True) -> None:
+        self.capture = capture  # False (CPU tests): padded fixed layouts, run eagerly without a graph
+        self.sizes = capture_sizes(max_rows)
+        self.max_rows = max_rows
+        self._staging = staging  # _Staging buffers the graphs read; a reallocation invalidates every graph
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._pool = None
+        self._generation: tuple[int, ...] | None = None
+        self.steps = 0  # steps run through a graph layout
+
+    def padded_rows(self, rows: int) -> int | None:
+        """The smallest captured size >= rows, or None when the batch is too large for a graph."""
+        return next((s for s in self.sizes if s >= rows), None)
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, step: Callable[[], object]):
+        """Replay the graph of ``key`` (capturing ``step`` first if needed) and return its outputs."""
+        self.steps += 1
+        if not self.capture:
+            return step()
+        gen = tuple(s.generation for s in self._staging)
+        if gen != self._generation:  # a staging buffer moved: graphs would read stale addresses
+            self._graphs.clear()
+            self._generation = gen
+        entry = self._graphs.get(key)
+        if entry is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()  # warm-up: Triton compilation, cuBLAS workspaces, lazy buffers
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = step()
+            self._pool = graph.pool()
+            entry = self._graphs[key] = (graph, out)
+            log.debug("captured CUDA graph %s (%d in all)", key, len(self._graphs))
+        entry[0].replay()
+        return entry[1]

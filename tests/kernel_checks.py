@@ -1,0 +1,110 @@
+"""Each Triton kernel against its PyTorch reference on random inputs (run by tests/test_kernels.py on the GPU,
+or on the CPU through Triton's interpreter: ``TRITON_INTERPRET=1 python tests/kernel_checks.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
+from specserve.kernels.norm import rms_norm, rms_norm_ref
+from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _close(a, b, dtype, what):
+    a, b = a.float(), b.float()
+    err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
+    assert err <= TOL[dtype], f"{what}: max relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def check_norm(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    for h in (64, 576, 1000):
+        x = torch.randn(7, h, generator=g).to(device, dtype)
+        r = torch.randn(7, h, generator=g).to(device, dtype)
+        w = (1 + 0.1 * torch.randn(h, generator=g)).to(device, dtype)
+        _close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), dtype, "rms_norm")
+        out, res = rms_norm(x, w, 1e-5, r)
+        ref_out, ref_res = rms_norm_ref(x, w, 1e-5, r)
+        assert torch.equal(res, ref_res), "residual add"
+        _close(out, ref_out, dtype, "rms_norm+residual")
+
+
+def check_silu(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    for i in (64, 1536, 1500):
+        x = torch.randn(5, 2 * i, generator=g).to(device, dtype)
+        _close(silu_and_mul(x), silu_and_mul_ref(x), dtype, "silu_and_mul")
+
+
+def check_rope_cache(device, dtype):
+    g = torch.Generator().manual_seed(2)
+    t, hq, hkv, d, n, bs = 6, 9, 3, 64, 5, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(device, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(100).float(), inv)
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    pos = torch.tensor([0, 5, 17, 40, 41, 99], device=device)
+    slots = torch.tensor([16, 21, 33, 79, 64, 0], device=device)
+    kc, vc = (torch.zeros(2, n, bs, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    qo = rope_and_cache(pos, q, k, v, cos, sin, kc[0], vc[0], slots)
+    rq, rk = rope_ref(pos, q, k, cos, sin)
+    write_kv_ref(kc[1], vc[1], rk, v, slots)
+    _close(qo, rq, dtype, "rope q")
+    _close(kc[0], kc[1], dtype, "rope k -> cache")
+    assert torch.equal(vc[0], vc[1]), "v -> cache"
+
+
+def check_attention(device, dtype):
+    g = torch.Generator().manual_seed(3)
+    for hq, hkv, d in ((9, 3, 64), (32, 8, 128), (4, 4, 32)):
+        n_blocks, bs = 64, 16
+        kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
+        vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
+        # rows: a verify row (5 queries), a decode row, a long prefill chunk, a padded row, a row past one split
+        lens = [(37, 5), (16, 1), (300, 70), (3, 2), (610, 5)]
+        m = 40
+        tables = torch.zeros(len(lens), m, dtype=torch.int64)
+        qw = max(nq for _, nq in lens)
+        qidx = torch.full((len(lens), qw), 0, dtype=torch.int64)
+        qpos = torch.zeros(len(lens), qw, dtype=torch.int64)
+        t = sum(nq for _, nq in lens)
+        qidx.fill_(t)
+        t0 = 0
+        perm = torch.randperm(n_blocks - 1, generator=g) + 1
+        used = 0
+        for b, (ctx, nq) in enumerate(lens):
+            nb = -(-ctx // bs)
+            tables[b, :nb] = perm[used % (n_blocks - 1):used % (n_blocks - 1) + nb] if used % (n_blocks - 1) + nb < n_blocks else perm[:nb]
+            used += nb
+            qidx[b, :nq] = torch.arange(t0, t0 + nq)
+            qpos[b, :nq] = torch.arange(ctx - nq, ctx)
+            t0 += nq
+        q = torch.randn(t, hq, d, generator=g).to(device, dtype)
+        args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
+        ref = paged_attention_sdpa(*args)
+        _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
+        for window in (8, 100):
+            _close(paged_attention_triton(*args, sliding_window=window),
+                   paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}")
+
+
+CHECKS = [check_norm, check_silu, check_rope_cache, check_attention]
+
+def dtypes(device: str):
+    """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""
+    return (torch.float32, torch.bfloat16, torch.float16) if device == "cuda" else (torch.float32, torch.float16)
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    for dt in dtypes(dev):
+        for c in CHECKS:
+            c(dev, dt)
+            print(f"{c.__name__} {dt}: ok", flush=True)

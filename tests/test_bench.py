@@ -1,0 +1,61 @@
+"""``specserve bench`` on tiny models (CPU): rows for every configuration, percentiles, ratios, and the three
+output files; prompt sources (files, random lengths); clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.bench.run import BenchConfig, run_bench
+from specserve.cli import main
+from tiny_models import make_head, make_hf_model
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    make_hf_model(root / "target", "llama", num_hidden_layers=2)
+    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    return root
+
+
+def test_bench_rows_ratios_and_outputs(dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Question {i}?", "follow-up"]}) + "\n" for i in range(5)))
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(dirs / "target"), "--prompts", str(prompts), "--batch-size", "1", "3",
+               "--max-tokens", "6", "--repeats", "2", "--draft", str(dirs / "eagle3"), "--draft-len", "2",
+               "--compare", "hf", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").stat().st_size > 0 and "| specserve | on | 3 |" in (out / "bench.md").read_text()
+    rows = {(r["engine"], r["speculative"], r["batch"]): r for r in res["rows"]}
+    assert set(rows) == {(e, s, b) for e, s in (("specserve", False), ("specserve", True), ("transformers", False))
+                         for b in (1, 3)}
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and len(r["all_seconds"]) == 2
+    spec = rows[("specserve", True, 3)]
+    assert 1.0 <= spec["acceptance_length"] <= 3.0 and len(spec["per_position_acceptance"]) == 2
+    assert spec["ttft_ms"]["p50"] <= spec["ttft_ms"]["p99"]
+    # greedy: speculation, plain decoding and transformers agree on the first tokens
+    assert rows[("specserve", True, 1)]["first_tokens"] == rows[("specserve", False, 1)]["first_tokens"] \
+        == rows[("transformers", False, 1)]["first_tokens"]
+    assert "specserve / transformers @ batch 3" in res["ratios"]
+
+
+def test_bench_random_prompts_and_random_model():
+    res = run_bench(BenchConfig(model="random:smollm2-135m", batch_sizes=[2], max_tokens=4, repeats=1,
+                                speculative="on", draft="random", forced_acceptance=1.5, num_prompts=2,
+                                device="cpu", dtype="float32"))
+    (row,) = res["rows"]
+    assert row["speculative"] and row["new_tokens"] == 4
+    assert res["meta"]["config"]["random_input_len"] == 128  # random models default to random prompts
+
+
+def test_bench_errors(dirs):
+    with pytest.raises(ValueError, match="--compare"):
+        BenchConfig(compare=["vllm"])
+    with pytest.raises(ValueError, match="--draft"):
+        run_bench(BenchConfig(model=str(dirs / "target"), speculative="on", device="cpu", max_tokens=3))
+    assert main(["bench", "--model", "random:nope", "--device", "cpu"]) == 2
