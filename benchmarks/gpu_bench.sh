@@ -21,6 +21,13 @@ for st in $stages; do
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf hf-compile --out $OUT/default 2>&1 | quiet | tail -22 ;;
     throughput) timeout 120 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
              --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput 2>&1 | quiet | tail -16 ;;
+    attention) SPECSERVE_TEST_GGUF=$M timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
+               -k check_attention 2>&1 | tail -5
+             timeout 110 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
+    spec16) timeout 100 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
+    hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --max-tokens 256 --num-prompts 4 --repeats 2 --compare hf hf-compile --out $OUT/hf4 2>&1 | quiet | tail -16 ;;
     scale) timeout 200 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
              --forced-acceptance ${FORCED:-1.64} --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
              --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;

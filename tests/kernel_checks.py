@@ -8,7 +8,7 @@ import sys
 import torch
 
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
+from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.norm import rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 
@@ -90,6 +90,9 @@ def check_attention(device, dtype):
         args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
         ref = paged_attention_sdpa(*args)
         _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
+        # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)
+        if dtype == (torch.bfloat16 if device == "cuda" else torch.float32):
+            _close(paged_attention_flex(*args), ref, dtype, f"flex attention {hq}/{hkv}/{d}")
         for window in (8, 100):
             _close(paged_attention_triton(*args, sliding_window=window),
                    paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}")

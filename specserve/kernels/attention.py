@@ -87,6 +87,46 @@ def paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_p
     return out.transpose(1, 2).reshape(b * qlen, hq, d)[flat_index]
 
 
+_FLEX = {}
+
+
+def paged_attention_flex(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
+                         sliding_window: int | None = None, block_mask=None) -> torch.Tensor:
+    """PyTorch FlexAttention over the same dense gather as the SDPA reference, with the causal/length (and
+    window) rule as a ``mask_mod`` turned into a block mask (build it once per step with ``flex_block_mask``
+    and pass it to every layer). Compiled on CUDA, eager elsewhere. q [T, Hq, D] -> [T, Hq, D]."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    t, hq, d = q.shape
+    b, qlen = query_index.shape
+    hkv = k_cache.shape[2]
+    if block_mask is None:
+        block_mask = flex_block_mask(query_pos, block_tables.shape[1] * k_cache.shape[1], sliding_window)
+    fn = flex_attention
+    if q.is_cuda:
+        fn = _FLEX.get("compiled") or _FLEX.setdefault("compiled", torch.compile(flex_attention, dynamic=False))
+    q_pad = torch.cat((q, q.new_zeros(1, hq, d)))[query_index]  # [B, Q, Hq, D]
+    k = k_cache[block_tables].view(b, -1, hkv, d)  # [B, K, Hkv, D]
+    v = v_cache[block_tables].view(b, -1, hkv, d)
+    out = fn(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
+             enable_gqa=hq != hkv)  # [B, Hq, Q, D]
+    return out.transpose(1, 2).reshape(b * qlen, hq, d)[_flat_index(query_index, t)]
+
+
+def flex_block_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, qlen = query_pos.shape
+
+    def visible(bi, h, qi, kv):
+        ok = kv <= query_pos[bi, qi]
+        if sliding_window is not None:
+            ok = ok & (kv > query_pos[bi, qi] - sliding_window)
+        return ok
+
+    return create_block_mask(visible, B=b, H=None, Q_LEN=qlen, KV_LEN=num_keys, device=query_pos.device)
+
+
 def build_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
     """query_pos [B, Q] -> mask [B, 1, Q, K] bool (key j visible to a query at p when j <= p)."""
     keys = torch.arange(num_keys, device=query_pos.device)
@@ -170,7 +210,7 @@ if triton is not None:
         q = tl.load(Q + qi[:, None] * sq_t + hq[:, None] * sq_h + dd[None, :], mask=valid[:, None] & dm[None, :],
                     other=0.0)
         hi = tl.max(qp, axis=0) + 1  # keys needed by this tile: 0 .. max position
-        lo_split = split * SPLIT
+        lo_split = split.to(tl.int64) * SPLIT
         hi_split = tl.minimum(hi, lo_split + SPLIT)
         lo = lo_split
         if DYNAMIC:

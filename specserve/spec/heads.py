@@ -96,22 +96,31 @@ class DraftHead(nn.Module):
         h = self.first_hidden(x.hidden, x.aux)
         return self.run_module(0, ids, x.positions, h, x.meta, kv[self.kv_layer(0)])  # [T, H]
 
+    def chain_layout(self, x: DraftInputs) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
+        """Positions, cache slots and attention layout of chain steps 1..D-1, computed for all steps at once
+        (a handful of small kernels instead of a handful per step): step k writes at last_pos + k."""
+        b = x.last_pos.shape[0]
+        dev = x.last_pos.device
+        rows = torch.arange(b, device=dev)
+        ks = torch.arange(1, max(2, x.num_drafts), device=dev)  # [K]
+        pos = torch.clamp(x.last_pos[:, None] + ks, max=self.target.rope.cos_cache.shape[0] - 1)  # [B, K]
+        m = x.block_tables.shape[1]
+        blk = x.block_tables.gather(1, torch.clamp(pos // x.block_size, max=m - 1))  # [B, K]
+        slot = torch.where(x.draft_ok[:, None], blk * x.block_size + pos % x.block_size, 0)  # rest: pad block
+        pos_t, slot_t = pos.t().contiguous(), slot.t().contiguous()  # [K, B]: one contiguous row per step
+        return [(pos_t[k], slot_t[k], AttentionMetadata(
+            slot_mapping=slot_t[k], block_tables=x.block_tables, query_index=rows[:, None], query_pos=pos_t[k, :, None],
+            flat_index=rows, sliding_window=x.meta.sliding_window, backend=x.meta.backend))
+            for k in range(x.num_drafts - 1)]
+
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         """Returns drafts [B, D] (target ids)."""
         last = self.step0(x, kv)[x.last_idx]  # [B, H]
         tok = self.draft_ids(0, last)
         drafts = [tok]
-        b = last.shape[0]
-        rows = torch.arange(b, device=last.device)
-        max_pos = self.target.rope.cos_cache.shape[0] - 1
-        m = x.block_tables.shape[1]
+        steps = self.chain_layout(x)
         for k in range(1, x.num_drafts):
-            pos = torch.clamp(x.last_pos + k, max=max_pos)  # [B]
-            blk = x.block_tables[rows, torch.clamp(pos // x.block_size, max=m - 1)]
-            slot = torch.where(x.draft_ok, blk * x.block_size + pos % x.block_size, torch.zeros_like(pos))
-            meta = AttentionMetadata(slot_mapping=slot, block_tables=x.block_tables, query_index=rows[:, None],
-                                     query_pos=pos[:, None], flat_index=rows, sliding_window=x.meta.sliding_window,
-                                     backend=x.meta.backend)
+            pos, slot, meta = steps[k - 1]
             last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
             tok = self.draft_ids(k, last)
             drafts.append(tok)
