@@ -201,11 +201,11 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> l
         reqs = [prompt_ids[i % len(prompt_ids)] for i in range(max(b, len(prompt_ids)))]
         chunks = [_left_padded(reqs[i:i + b], dev) for i in range(0, len(reqs), b)]
 
-        def run(parts):
+        def run(parts, gen=model.generate):
             outs = []
             for inp, mask in parts:
                 with torch.no_grad():
-                    outs.append(model.generate(input_ids=inp, attention_mask=mask, max_new_tokens=cfg.max_tokens,
+                    outs.append(gen(input_ids=inp, attention_mask=mask, max_new_tokens=cfg.max_tokens,
                                                min_new_tokens=cfg.max_tokens, do_sample=False, pad_token_id=0))
             return outs
 
