@@ -26,7 +26,7 @@ done
 wait
 for m in eagle3 mtp; do
   echo "== $m"; filter < /tmp/train-$m.log | tail -25
-  mkdir -p "$OUT/$m"
-  cp /root/$m/head/* /root/$m/report.json /root/$m/*.png "$OUT/$m/" 2>/dev/null
+  # one archive per head: a device call returns at most 8 files (a run with loose files lost a head once)
+  (cd /root/$m && tar -cf "$OUT/$m.tar" head report.json loss.png acceptance.png)
 done
-ls -la "$OUT"/*
+ls -la "$OUT"

@@ -13,6 +13,11 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.vocab_size = len(hf_tokenizer)
+        # the Rust tokenizer behind a fast tokenizer decodes without transformers' per-call Python overhead
+        # (detokenization runs for every generated token); only when transformers adds nothing on top
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        plain = not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
+        self._decode_fast = backend.decode if backend is not None and plain else None
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
@@ -52,6 +57,8 @@ class Tokenizer:
         return list(ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._decode_fast is not None:
+            return self._decode_fast(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 

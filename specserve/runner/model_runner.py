@@ -187,26 +187,33 @@ class ModelRunner:
             flat[:] = np.arange(t)
             qidx[:] = flat
             qpos[:] = pos
-        row_t0 = []
-        t0 = 0
+        # per row: its token ids and block-table row (Python lists); everything else is vectorised below
+        n_rows = len(sched)
+        starts = np.fromiter((s.start for s in sched), np.int64, n_rows)
+        counts = np.fromiter((s.num_tokens for s in sched), np.int64, n_rows)
+        first = np.cumsum(counts) - counts  # packed offset of each row's first token
+        row_t0 = first if layout is None else np.arange(n_rows, dtype=np.int64) * q
+        tokens: list[int] = []
         for i, s in enumerate(sched):
-            req, n = s.request, s.num_tokens
-            if layout is not None:
-                t0 = i * q
-            row_t0.append(t0)
-            blocks = np.asarray(req.block_ids, dtype=np.int64)
-            p = np.arange(s.start, s.start + n, dtype=np.int64)
-            known = n - s.num_drafts
-            ids[t0:t0 + known] = req.token_ids[s.start:s.start + known]
-            ids[t0 + known:t0 + n] = req.spec_token_ids[:s.num_drafts]
-            pos[t0:t0 + n] = p
-            slots[t0:t0 + n] = blocks[p // bs] * bs + p % bs
-            flat[t0:t0 + n] = i * q + np.arange(n)
-            nb = min(len(blocks), cdiv(s.start + n + la, bs))
-            tables2[i, :nb] = blocks[:nb]
-            qidx2[i, :n] = np.arange(t0, t0 + n)
-            qpos2[i, :n] = p
-            t0 += n
+            req = s.request
+            known = s.num_tokens - s.num_drafts
+            tokens += req.token_ids[s.start:s.start + known]
+            tokens += req.spec_token_ids[:s.num_drafts]
+            nb = min(len(req.block_ids), cdiv(s.start + s.num_tokens + la, bs))
+            tables2[i, :nb] = req.block_ids[:nb]
+        total = int(counts.sum())
+        row = np.repeat(np.arange(n_rows, dtype=np.int64), counts)  # [N] row of each real token
+        col = np.arange(total, dtype=np.int64) - first[row]  # [N] its index within the row
+        at = row_t0[row] + col  # [N] its flat index in this step's layout
+        p = starts[row] + col  # [N] its position
+        ids[at] = tokens
+        pos[at] = p
+        slots[at] = tables2[row, p // bs] * bs + p % bs
+        flat[at] = row * q + col
+        qidx2[row, col] = at
+        qpos2[row, col] = p
+        self.step_tokens = (row, col, ids[at].copy())  # [N] each: row, column, token id (speculative inputs)
+        row_t0 = row_t0.tolist()
         fbuf = self._floats.reserve(3 * ns) if ns else None
         for j, s in enumerate(samplers):
             (topk[j], seeds[j], offsets[j]), (fbuf[j], fbuf[ns + j], fbuf[2 * ns + j]) = \

@@ -88,30 +88,37 @@ class SpecDecodeRunner(ModelRunner):
                 a[name][k:] = value
             a["t0"][k:] = np.arange(k, b) * q
             fl[k:b], fl[b + k:2 * b], fl[2 * b + k:3 * b], fl[3 * b + k:4 * b] = 0.0, 1.0, 0.0, 0.0
+        k = len(sched)
+        n = np.fromiter((s.num_tokens for s in sched), np.int64, k)
+        nd = np.fromiter((s.num_drafts for s in sched), np.int64, k)
+        t0 = np.asarray(self.row_t0, dtype=np.int64)
+        base = t0 + n - 1 - nd  # flat index of the first verified position (the last known token)
+        vidx[:k] = np.minimum(base[:, None] + np.arange(d + 1), (base + nd)[:, None])
+        a["num_drafts"][:k] = nd
+        a["base_col"][:k], a["t0"][:k] = n - 1 - nd, t0
+        a["start"][:k] = np.fromiter((s.start for s in sched), np.int64, k)
+        a["can_accept"][:k] = np.fromiter((s.sample for s in sched), np.int64, k)  # samplers verify and draft
+        a["thinking"][:k] = np.fromiter((s.request.thinking for s in sched), np.int64, k)
         for i, s in enumerate(sched):
-            t0 = self.row_t0[i]
-            req, n, nd = s.request, s.num_tokens, s.num_drafts
-            base = t0 + n - 1 - nd  # flat index of the first verified position (the last known token)
-            vidx[i] = np.minimum(base + np.arange(d + 1), base + nd)
-            drafts[i, :nd] = req.spec_token_ids[:nd]
-            sp = req.params
-            a["num_drafts"][i] = nd
-            a["can_accept"][i] = s.sample  # rows that sample also verify their drafts and draft anew
+            sp = s.request.params
             a["greedy"][i] = sp.greedy
-            relaxed = cfg.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None else sp.relaxed_acceptance
-            a["relaxed"][i] = relaxed
+            a["relaxed"][i] = cfg.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None \
+                else sp.relaxed_acceptance
             a["relaxed_topk"][i] = sp.relaxed_topk if sp.relaxed_topk is not None else cfg.relaxed_topk
             fl[3 * b + i] = sp.relaxed_delta if sp.relaxed_delta is not None else cfg.relaxed_delta
-            a["thinking"][i] = req.thinking
-            a["base_col"][i], a["t0"][i], a["start"][i] = n - 1 - nd, t0, s.start
             (a["top_k"][i], a["seeds"][i], a["offsets"][i]), (fl[i], fl[b + i], fl[2 * b + i]) = \
-                sampling_row(req, self.vocab_size)
-            known = n - nd
-            ext[i, :known] = req.token_ids[s.start:s.start + known]
-            ext[i, known:n] = req.spec_token_ids[:nd]
+                sampling_row(s.request, self.vocab_size)
+        # the step's tokens as prepare() laid them out: ext holds each row's tokens from column 0, drafts
+        # are the last num_drafts of them
+        row, col, tokens = self.step_tokens
+        ext[row, col] = tokens
+        is_draft = col >= (n - nd)[row]
+        drafts[row[is_draft], (col - (n - nd)[row])[is_draft]] = tokens[is_draft]
+        for i, s in enumerate(sched):
             if not s.sample:  # prompt lookahead: the next known tokens after a non-final chunk
-                nxt = req.token_ids[s.start + n:s.start + n + d + 1]
-                ext[i, n:n + len(nxt)] = nxt
+                req = s.request
+                nxt = req.token_ids[s.start + s.num_tokens:s.start + s.num_tokens + d + 1]
+                ext[i, s.num_tokens:s.num_tokens + len(nxt)] = nxt
         dev = self._spec_ints.upload(int(offs[-1]))
         t = {k: dev[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
         fdev = self._spec_floats.upload(4 * b)

@@ -1,0 +1,75 @@
+"""Host-side cost of one engine step (scheduling, input building, result handling, detokenization) with the
+device work replaced by a stub, so the figure is what the host adds to every step whatever the GPU does.
+
+A tiny random model, B requests in the generation phase, graph layouts (padded, as on CUDA), 200 steps;
+the stub builds the step's inputs exactly as the runner does (``prepare``, and the speculative inputs with
+speculation on) and returns one token (three with speculation) per row.
+
+    python benchmarks/bench_host.py [--batch 1 64] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+
+from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
+from specserve.runner.model_runner import RowResult  # noqa: E402
+from tiny_models import make_head, make_hf_model  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args()
+    root = Path(tempfile.mkdtemp())
+    make_hf_model(root / "t", "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    make_head(root / "e3", root / "t", "eagle3", own_head=False, seed=1)
+    print(f"{'speculation':<12}{'batch':>6}{'host ms/step':>14}{'of which inputs ms':>20}")
+    for spec in (False, True):
+        llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=max(a.batch),
+                  speculative_config=dict(method="eagle3", draft_model=str(root / "e3"), max_draft_len=4)
+                  if spec else None)
+        eng, runner = llm.engine, llm.engine.runner
+        runner.graphs = CudaGraphs(max(a.batch), runner._staging_buffers(), capture=False)
+        real = runner.execute
+        for b in a.batch:
+            sp = SamplingParams(temperature=0, max_tokens=10 ** 6, ignore_eos=True)
+            for _ in range(b):
+                eng.add_request([1, 2, 3, 4, 5], sp)
+            for _ in range(3):
+                eng.step()
+            t_in: list[float] = []
+
+            def stub(batch):
+                t0 = time.perf_counter()
+                layout = runner.graph_layout(batch)
+                inp = runner.prepare(batch, with_sampling=not spec, layout=layout)
+                if spec:
+                    runner._spec_inputs(batch, inp.meta.query_index.shape[1], layout.rows)
+                t_in.append(time.perf_counter() - t0)
+                return [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2) if spec else RowResult([7])
+                        for s in batch.scheduled]
+
+            runner.execute = stub
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                eng.step()
+            per = (time.perf_counter() - t0) / a.steps
+            runner.execute = real
+            for rid in list(eng.requests):
+                eng.abort_request(rid)
+            print(f"{'on' if spec else 'off':<12}{b:>6}{per * 1e3:>14.3f}{np.median(t_in) * 1e3:>20.3f}")
+
+
+if __name__ == "__main__":
+    main()
