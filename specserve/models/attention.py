@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.kernels.attention import build_mask, paged_attention as _paged_attention  # noqa: F401
+from specserve.kernels import use_triton
+from specserve.kernels.attention import build_mask, paged_attention as _paged_attention
 
 
 @dataclass
@@ -41,15 +42,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]."""
     backend = meta.backend
-    if backend == "sdpa" or (backend == "auto" and not _triton_for(q)):
+    if backend == "sdpa" or (backend == "auto" and not use_triton(q)):
         return _paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                 meta.sliding_window, backend="sdpa", flat_index=meta.flat_index,
                                 mask=meta.sdpa_mask(k_cache.shape[1]))
     return _paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                             meta.sliding_window, backend="triton")
 
-
-def _triton_for(q: torch.Tensor) -> bool:
-    from specserve.kernels import use_triton
-
-    return use_triton(q)
