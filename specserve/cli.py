@@ -43,7 +43,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--begin-thinking-token", default=None, help="token (id or text) that opens the thinking phase")
     sp.add_argument("--end-thinking-token", default=None, help="token (id or text) that closes the thinking phase")
     sp.add_argument("--forced-acceptance", type=float, default=None,
-                    help="accept exactly N drafts per step (performance experiments; output is NOT the model's)")
+                    help="accept N drafts per step on average, whatever they are (a fraction alternates floor/ceil; "
+                         "performance experiments only: output is NOT the model's)")
 
 
 def _token_arg(value: str | None) -> int | str | None:
@@ -235,7 +236,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           compare=a.compare, enforce_eager=a.enforce_eager, kv_cache_memory_bytes=a.kv_cache_memory,
                           out=None)
+        if a.steps:
+            from specserve.bench.run import check_steps
+            from specserve.config import resolve_device
+
+            check_steps(cfg, resolve_device(cfg.device))  # before the long part, not after it
         result = run_bench(cfg)
+        write_outputs(Path(a.out), result)  # kept even if the step timings below fail
         if a.steps:
             from specserve.bench.run import step_timings
 

@@ -34,7 +34,10 @@ def test_bench_rows_ratios_and_outputs(dirs, tmp_path):
     assert set(rows) == {(e, s, b) for e, s in (("specserve", False), ("specserve", True), ("transformers", False))
                          for b in (1, 3)}
     for r in rows.values():
-        assert r["tokens_per_s"] > 0 and len(r["all_seconds"]) == 2
+        assert r["tokens_per_s"] > 0 and len(r["all_seconds"]) == 2 and r["requests"] == 5
+    # every prompt runs at every batch size, at most `batch` in flight: batch 1 takes a step per token
+    assert rows[("specserve", False, 1)]["steps"] >= 5 * 6
+    assert rows[("specserve", False, 3)]["steps"] < 5 * 6
     spec = rows[("specserve", True, 3)]
     assert 1.0 <= spec["acceptance_length"] <= 3.0 and len(spec["per_position_acceptance"]) == 2
     assert spec["ttft_ms"]["p50"] <= spec["ttft_ms"]["p99"]

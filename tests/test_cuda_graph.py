@@ -65,10 +65,12 @@ def test_padded_graph_layout_equals_packed_steps(dirs, spec, n):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_equal_eager(dirs, spec, dtype):
+@pytest.mark.parametrize("dtype,backend", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "sdpa")])
+def test_cuda_graphs_equal_eager(dirs, spec, dtype, backend):
+    """Both attention backends: SDPA's mask must be built inside the captured step, not reused from it."""
     for n in (1, 3, 6):
-        ref, _ = _run(dirs, SPECS[spec], n, padded=False, device="cuda", dtype=dtype, enforce_eager=True)
-        got, llm = _run(dirs, SPECS[spec], n, padded=False, device="cuda", dtype=dtype)
+        kw = dict(device="cuda", dtype=dtype, attention_backend=backend)
+        ref, _ = _run(dirs, SPECS[spec], n, padded=False, enforce_eager=True, **kw)
+        got, llm = _run(dirs, SPECS[spec], n, padded=False, **kw)
         assert llm.engine.runner.graphs.num_captured > 0
-        assert got == ref, (spec, dtype, n)
+        assert got == ref, (spec, dtype, backend, n)

@@ -161,6 +161,18 @@ def test_ttt_loss_equals_a_dense_per_position_reference(dirs, method, draft_voca
     assert loss.item() == pytest.approx(sum(a * c for a, c in zip(w, ref)) / sum(w), rel=1e-5)
 
 
+def test_a_batch_without_response_tokens_is_skipped(dirs):
+    from specserve.loaders import load_model
+
+    target = load_model(str(dirs / "target"), torch.float32, "cpu").model
+    cfg = TrainConfig(target=None, method="eagle3", prompts=["x"], out="unused")
+    data = [{"prompt_ids": list(range(1, 9)), "response_ids": [5, 6]}]
+    head = build_head(cfg, target, data)
+    tokens, lengths, starts = make_batch(data, [0], 8, "cpu")  # the response is cut off by max_len
+    hidden, aux = target_features(target, head, tokens)
+    assert ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux) == (None, [], [])
+
+
 def test_regeneration_in_worker_processes_equals_one_process(dirs, tmp_path):
     prompts = [f"Tell me about the number {i}." for i in range(7)]
     base = dict(target=str(dirs / "target"), method="eagle3", prompts=["unused"], out=str(tmp_path), device="cpu",

@@ -138,6 +138,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
     rows = []
     for b in cfg.batch_sizes:
         batch = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(max(b, len(prompt_ids)))]
+        eng.scheduler.cfg.max_num_seqs = b  # at most b requests in flight (the engine was sized for the largest)
         runs = []
         for r in range(cfg.repeats + 1):  # the first is the warm-up
             eng.spec_stats = SpecStats()
@@ -321,6 +322,11 @@ def _ratios(rows: list[dict]) -> dict:
     return out
 
 
+def check_steps(cfg: BenchConfig, dev: torch.device) -> None:
+    if dev.type != "cuda" or cfg.enforce_eager:
+        raise ValueError("--steps times CUDA graphs: it needs a CUDA device and no --enforce-eager")
+
+
 def step_timings(cfg: BenchConfig, batches: list[int], context: int, bandwidth_gbps: float | None) -> list[dict]:
     """Decode / verify / draft-loop graph times at each batch size (``steps.step_times``), CUDA only."""
     from specserve import LLM
@@ -328,8 +334,7 @@ def step_timings(cfg: BenchConfig, batches: list[int], context: int, bandwidth_g
     from specserve.config import resolve_device
 
     dev = resolve_device(cfg.device)
-    if dev.type != "cuda" or cfg.enforce_eager:
-        raise ValueError("--steps times CUDA graphs: it needs a CUDA device and no --enforce-eager")
+    check_steps(cfg, dev)
     spec = _spec_config(cfg)
     llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_seqs=max(batches),
               max_cuda_graph_batch_size=max(batches), speculative_config=spec,

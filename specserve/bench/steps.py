@@ -57,13 +57,21 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
     sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     rids = [eng.add_request(torch.randint(10, vocab, (context,), generator=g).tolist(), sp) for _ in range(batch)]
     reqs = [eng.requests[r] for r in rids]
-    for _ in range(4):  # prefill, then a few speculative steps (captures the engine's graph)
-        eng.step()
+    # prefill (as many steps as the token budget needs), then speculative steps until the engine has
+    # captured the graph of the layout its next step uses
     entries = SchedulerOutput([ScheduledRequest(r, r.num_computed_tokens, d + 1, True, d) for r in reqs])
-    layout = runner.graph_layout(entries)  # the layout of the engine's next step (same context bucket)
-    spec_graphs = [v[0] for k, v in runner.graphs._graphs.items() if k[0] == layout]
+    spec_graphs: list = []
+    for _ in range(context * batch // 64 + 16):
+        eng.step()
+        if all(r.num_output_tokens >= 2 for r in reqs):
+            entries = SchedulerOutput([ScheduledRequest(r, r.num_computed_tokens, d + 1, True, d) for r in reqs])
+            layout = runner.graph_layout(entries)
+            spec_graphs = [v[0] for k, v in runner.graphs._graphs.items() if layout is not None and k[0] == layout]
+            if spec_graphs:
+                break
     if not spec_graphs:
-        raise RuntimeError("no speculative CUDA graph was captured (enforce_eager, or batch too large?)")
+        raise ValueError(f"batch {batch}: the speculative step never ran as a CUDA graph (does the KV cache hold "
+                         f"{batch} requests of {context} tokens? see --kv-cache-memory)")
     spec_ms = replay_ms(spec_graphs[-1])
     plain = ModelRunner(eng.model, eng.kv_cache, eng.device, max_model_len=eng.max_model_len)
 

@@ -40,6 +40,11 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
+    if g > 64:
+        raise ValueError(f"the Triton attention kernel packs at most 64 query heads per KV head, got {g}")
+    if query_pos.stride(0) != query_index.stride(0):  # the kernel indexes both with one row stride
+        query_pos = query_pos.contiguous().view(b, qw)
+        query_index = query_index.contiguous().view(b, qw)
     block_m = max(16, min(64, triton.next_power_of_2(qw * g)))
     qpt = max(1, block_m // g)  # queries per tile
     n_qt = triton.cdiv(qw, qpt)
@@ -147,7 +152,7 @@ def _flat_index(query_index: torch.Tensor, t: int) -> torch.Tensor:
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                     sliding_window: int | None = None, backend: str = "auto", **sdpa_kwargs) -> torch.Tensor:
-    if backend == "triton" or (backend == "auto" and use_triton(q)):
+    if backend == "triton" or (backend == "auto" and use_triton(q) and q.shape[1] // k_cache.shape[2] <= 64):
         return paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale,
                                       sliding_window)
     return paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_pos, scale, sliding_window,

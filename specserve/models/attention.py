@@ -32,6 +32,11 @@ class AttentionMetadata:
     backend: str = "auto"  # "auto" (triton on CUDA, else sdpa), "triton" or "sdpa"
     _mask: torch.Tensor | None = field(default=None, repr=False)  # SDPA mask, built once per step on first use
 
+    def new_step(self) -> None:
+        """Forget the cached SDPA mask: called at the start of every step's device work, so that a step
+        captured in a CUDA graph builds its mask inside the graph (from query_pos in the staging buffer)."""
+        self._mask = None
+
     def sdpa_mask(self, block_size: int) -> torch.Tensor:
         if self._mask is None:
             self._mask = build_mask(self.query_pos, self.block_tables.shape[1] * block_size, self.sliding_window)
@@ -42,7 +47,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]."""
     backend = meta.backend
-    if backend == "sdpa" or (backend == "auto" and not use_triton(q)):
+    group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
+    if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
         return _paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                 meta.sliding_window, backend="sdpa", flat_index=meta.flat_index,
                                 mask=meta.sdpa_mask(k_cache.shape[1]))

@@ -47,9 +47,15 @@ class _Staging:
         self.host = torch.empty(0, dtype=dtype)
         self.dev = torch.empty(0, dtype=dtype, device=device)
         self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
+        self._copied = None  # CUDA event after the last host -> device copy
         self.reserve(size)
 
     def reserve(self, n: int) -> np.ndarray:
+        """The host buffer (at least n elements), once the previous step's copy out of it has run: a step
+        that samples nothing ends without a device sync, and the next step rewrites this buffer."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
         if n > self.host.numel():
             size = max(n, 2 * self.host.numel(), 1024)
             pin = self.device.type == "cuda"
@@ -62,6 +68,8 @@ class _Staging:
         if self.device.type == "cpu":
             return self.host[:n]
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         return self.dev[:n]
 
 
@@ -255,6 +263,7 @@ class ModelRunner:
 
     def _decode(self, inp: StepInputs) -> torch.Tensor | None:
         """Target forward + sampling, all on the device -> tokens [S] (None when no row samples)."""
+        inp.meta.new_step()
         hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views)
         if inp.sampling is None:
             return None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.config import ModelConfig
 from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -106,7 +107,8 @@ class DraftHead(nn.Module):
         pos = torch.clamp(x.last_pos[:, None] + ks, max=self.target.rope.cos_cache.shape[0] - 1)  # [B, K]
         m = x.block_tables.shape[1]
         blk = x.block_tables.gather(1, torch.clamp(pos // x.block_size, max=m - 1))  # [B, K]
-        slot = torch.where(x.draft_ok[:, None], blk * x.block_size + pos % x.block_size, 0)  # rest: pad block
+        slot = torch.where(x.draft_ok[:, None], blk * x.block_size + pos % x.block_size,
+                           PAD_BLOCK * x.block_size)  # rows that do not draft write the pad block
         pos_t, slot_t = pos.t().contiguous(), slot.t().contiguous()  # [K, B]: one contiguous row per step
         return [(pos_t[k], slot_t[k], AttentionMetadata(
             slot_mapping=slot_t[k], block_tables=x.block_tables, query_index=rows[:, None], query_pos=pos_t[k, :, None],

@@ -17,6 +17,8 @@ Nothing here knows which head it runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -124,10 +126,12 @@ class SpecDecodeRunner(ModelRunner):
         fdev = self._spec_floats.upload(4 * b)
         sampling = sampling_tensors([s.request for s in sched], [t["top_k"], t["seeds"], t["offsets"]], fdev, b)
         any_relaxed = bool(a["relaxed"].any())
+        # integer views of the staging buffer; _step turns the flags into bool tensors on the device, so a
+        # captured graph reads the staging buffer (fixed addresses), never tensors made outside it
         acc = AcceptInputs(
-            sampling=sampling, greedy=t["greedy"].bool(), can_accept=t["can_accept"].bool(),
-            relaxed=t["relaxed"].bool(), relaxed_topk=t["relaxed_topk"], relaxed_delta=fdev[3 * b:4 * b],
-            thinking=t["thinking"].bool(), begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1],
+            sampling=sampling, greedy=t["greedy"], can_accept=t["can_accept"],
+            relaxed=t["relaxed"], relaxed_topk=t["relaxed_topk"], relaxed_delta=fdev[3 * b:4 * b],
+            thinking=t["thinking"], begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1],
             max_topk=int(a["relaxed_topk"].max()), simple_greedy=sampling.all_greedy and not any_relaxed,
             remove_rejected=self.remove_rejected,
         )
@@ -162,6 +166,9 @@ class SpecDecodeRunner(ModelRunner):
         """Verify, accept and draft on the device -> [B, 1 + (D+1) + D]: accepted count, emitted tokens, drafts."""
         b, q = inp.meta.query_index.shape
         d = self.num_drafts
+        inp.meta.new_step()
+        acc_in = dataclasses.replace(acc_in, greedy=acc_in.greedy.bool(), can_accept=acc_in.can_accept.bool(),
+                                     relaxed=acc_in.relaxed.bool(), thinking=acc_in.thinking.bool())
         hidden, aux = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views,
                                  aux_layers=self.head.aux_layers)
         # verify + accept

@@ -190,11 +190,14 @@ def target_probs(target, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tens
 
 
 def ttt_loss(cfg: TrainConfig, head: DraftHead, tokens, lengths, starts, hidden, aux):
-    """Unrolled training-time-test loss. Returns (loss, per-step losses, per-step top-1 agreement)."""
+    """Unrolled training-time-test loss. Returns (loss, per-step losses, per-step top-1 agreement); the loss
+    is None when the batch has no response token to train on."""
     b, s = tokens.shape
     dev = tokens.device
     pos = torch.arange(s, device=dev).expand(b, s)
     rows = response_rows(lengths, starts, s)  # [B, S]
+    if not bool(rows.any()):  # no response token in this batch (every prompt filled max_seq_len)
+        return None, [], []
     probs = target_probs(head.target, hidden, rows)  # [N, V], rows in (b, j) order
     row_pos = pos[rows]  # [N]: j of each row
     vocab_ids = head.vocab_ids()
@@ -308,6 +311,9 @@ def train(cfg: TrainConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr = _lr(cfg, step, time.perf_counter() - t_train)
         loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
+        if loss is None:
+            log.warning("step %d: no response tokens within --max-seq-len in this batch; skipped", step)
+            continue
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
