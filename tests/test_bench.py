@@ -4,6 +4,7 @@ output files; prompt sources (files, random lengths); clear errors."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -62,3 +63,7 @@ def test_bench_errors(dirs):
     with pytest.raises(ValueError, match="--draft"):
         run_bench(BenchConfig(model=str(dirs / "target"), speculative="on", device="cpu", max_tokens=3))
     assert main(["bench", "--model", "random:nope", "--device", "cpu"]) == 2
+    t0 = time.perf_counter()  # --steps needs CUDA graphs: refused before any benchmark runs
+    assert main(["bench", "--model", str(dirs / "target"), "--device", "cpu", "--steps", "1",
+                 "--draft", str(dirs / "eagle3"), "--out", str(dirs / "never")]) == 2
+    assert time.perf_counter() - t0 < 5 and not (dirs / "never").exists()
