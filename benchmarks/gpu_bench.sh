@@ -2,7 +2,10 @@
 # Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
-#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale]
+#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4]
+# Stage limits (s): tests 150, default 200, throughput 120, scale 200, attention 230, spec16 100, hf4 200.
+# Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
+# pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
