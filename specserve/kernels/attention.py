@@ -19,7 +19,6 @@ import os
 
 import torch
 
-from specserve.kernels import use_triton
 
 try:
     import triton
@@ -148,15 +147,6 @@ def _flat_index(query_index: torch.Tensor, t: int) -> torch.Tensor:
     inv = torch.zeros(t + 1, dtype=torch.int64, device=query_index.device)
     inv.scatter_(0, query_index.reshape(-1), torch.arange(b * qlen, device=query_index.device))
     return inv[:t]
-
-
-def paged_attention(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
-                    sliding_window: int | None = None, backend: str = "auto", **sdpa_kwargs) -> torch.Tensor:
-    if backend == "triton" or (backend == "auto" and use_triton(q) and q.shape[1] // k_cache.shape[2] <= 64):
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale,
-                                      sliding_window)
-    return paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_pos, scale, sliding_window,
-                                **sdpa_kwargs)
 
 
 if triton is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.kernels import use_triton
-from specserve.kernels.attention import build_mask, paged_attention as _paged_attention
+from specserve.kernels.attention import build_mask, paged_attention_sdpa, paged_attention_triton
 
 
 @dataclass
@@ -49,9 +49,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
     if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
-        return _paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
-                                meta.sliding_window, backend="sdpa", flat_index=meta.flat_index,
-                                mask=meta.sdpa_mask(k_cache.shape[1]))
-    return _paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
-                            meta.sliding_window, backend="triton")
+        return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
+                                    meta.sliding_window, flat_index=meta.flat_index,
+                                    mask=meta.sdpa_mask(k_cache.shape[1]))
+    return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
+                                  meta.sliding_window)
 
