@@ -18,6 +18,7 @@ import time
 import torch
 
 from specserve.bench.prompts import CHATS as ALL_CHATS
+from specserve.bench.run import left_padded
 
 CHATS = ALL_CHATS[:8]  # the set behind the figures recorded in docs/BENCHMARKS.md
 
@@ -79,14 +80,8 @@ def bench_hf(args, prompts_ids) -> list[dict]:
     model = model.to(args.device).eval()
     rows = []
     for b in args.batch:
-        ids = [prompts_ids[i % len(prompts_ids)] for i in range(b)]
-        width = max(len(x) for x in ids)
-        inp = torch.zeros(b, width, dtype=torch.long)
-        mask = torch.zeros(b, width, dtype=torch.long)
-        for i, x in enumerate(ids):  # left padding, as generate expects for decoder-only models
-            inp[i, width - len(x):] = torch.tensor(x)
-            mask[i, width - len(x):] = 1
-        inp, mask = inp.to(args.device), mask.to(args.device)
+        inp, mask = left_padded([prompts_ids[i % len(prompts_ids)] for i in range(b)], args.device)
+        width = inp.shape[1]
         last = {}
 
         def run():

@@ -200,7 +200,7 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> l
     rows = []
     for b in cfg.batch_sizes:
         reqs = [prompt_ids[i % len(prompt_ids)] for i in range(max(b, len(prompt_ids)))]
-        chunks = [_left_padded(reqs[i:i + b], dev) for i in range(0, len(reqs), b)]
+        chunks = [left_padded(reqs[i:i + b], dev) for i in range(0, len(reqs), b)]
 
         def run(parts, gen=model.generate):
             outs = []
@@ -228,7 +228,7 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> l
     return rows
 
 
-def _left_padded(ids: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(ids: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding, as generate expects for decoder-only models -> (input_ids, attention_mask) [B, W]."""
     width = max(len(x) for x in ids)
     inp = torch.zeros(len(ids), width, dtype=torch.long)
