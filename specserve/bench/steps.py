@@ -66,7 +66,7 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
         if all(r.num_output_tokens >= 2 for r in reqs):
             entries = SchedulerOutput([ScheduledRequest(r, r.num_computed_tokens, d + 1, True, d) for r in reqs])
             layout = runner.graph_layout(entries)
-            spec_graphs = [v[0] for k, v in runner.graphs._graphs.items() if layout is not None and k[0] == layout]
+            spec_graphs = runner.graphs.captured_for(layout) if layout is not None else []
             if spec_graphs:
                 break
     if not spec_graphs:

@@ -44,6 +44,10 @@ class CudaGraphs:
     def num_captured(self) -> int:
         return len(self._graphs)
 
+    def captured_for(self, layout) -> list[torch.cuda.CUDAGraph]:
+        """The graphs captured for ``layout`` (one per set of host switches), in capture order."""
+        return [g for key, (g, _) in self._graphs.items() if key[0] == layout]
+
     def run(self, key: Hashable, step: Callable[[], object]):
         """Replay the graph of ``key`` (capturing ``step`` first if needed) and return its outputs."""
         self.steps += 1
