@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 M=/root/model.gguf
-HEAD=specserve/heads/smollm2-135m-eagle3
+HEAD=${HEAD:-specserve/heads/smollm2-135m-eagle3}  # HEAD=DIR: a head not yet in the package
 stages=${*:-tests default throughput scale}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" ; }

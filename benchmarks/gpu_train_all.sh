@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains both shipped heads for the default model on the GPU machine (model at /root/model.gguf).
-#   bash benchmarks/gpu_train_all.sh regen [train-draft args...]  # regenerate responses -> /root/regen/data.pt
-#   bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side from it
+#   bash benchmarks/gpu_train_all.sh regen NAME [train-draft args...]  # responses -> /root/regen-NAME/data.pt
+#   DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side
 # SNAP names a copy of the package to run (so the run does not depend on the working tree of the moment).
 set -uo pipefail
 mode=$1; shift
@@ -14,13 +14,14 @@ prompts=(--prompts .traindata/gpteacher-codegen-instruct.json .traindata/gpteach
          --eval-prompts .traindata/HumanEval.jsonl.gz .traindata/alpaca-seed-tasks.jsonl)
 filter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }
 if [ "$mode" = regen ]; then
-  timeout 580 $py -m specserve.cli train-draft --target /root/model.gguf --method eagle3 --out /root/regen \
-    "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -20
-  ls -la /root/regen; mkdir -p "$OUT/regen"; cp /root/regen/data.pt /root/regen/prompts_split.json "$OUT/regen/"
+  name=$1; shift
+  timeout ${REGEN_LIMIT:-580} $py -m specserve.cli train-draft --target /root/model.gguf --method eagle3 \
+    --out /root/regen-$name "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -5
+  mkdir -p "$OUT/regen-$name" && cp /root/regen-$name/data.pt "$OUT/regen-$name/"
   exit 0
 fi
 for m in eagle3 mtp; do
-  timeout 585 $py -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
+  timeout ${TRAIN_LIMIT:-585} $py -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
     --data ${DATA:-/root/regen/data.pt} "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
 done
 wait

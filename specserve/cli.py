@@ -107,11 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--prompts", nargs="+", default=[], help="prompt files (JSONL/JSON, .gz allowed)")
     tr.add_argument("--out", required=True, help="output folder (checkpoint, head/, report.json, plots)")
     tr.add_argument("--eval-prompts", nargs="*", default=[], help="extra held-out prompt files for the report")
-    tr.add_argument("--data", default=None, help="reuse regenerated data (data.pt) from another run")
+    tr.add_argument("--data", nargs="+", default=None,
+                    help="reuse regenerated data (data.pt) of earlier runs; several files are combined")
     tr.add_argument("--holdout", type=float, default=0.05, help="fraction of prompts held out of training")
     tr.add_argument("--max-prompts", type=int, default=None)
     tr.add_argument("--gen-max-tokens", type=int, default=256, help="max tokens of each regenerated response")
     tr.add_argument("--gen-temperature", type=float, default=0.0, help="temperature of the regenerated responses")
+    tr.add_argument("--gen-seed", type=int, default=None,
+                    help="sampling seed of the regenerated responses (default: --seed, which also splits the prompts)")
     tr.add_argument("--gen-workers", type=int, default=1,
                     help="engine processes regenerating in parallel on the device (a small target is host-bound)")
     tr.add_argument("--regenerate-only", action="store_true",
@@ -305,7 +308,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     from specserve.train.trainer import TrainConfig, train
 
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
-              "gen_max_tokens", "gen_temperature", "max_seq_len", "steps", "batch_size", "lr", "warmup",
+              "gen_max_tokens", "gen_temperature", "gen_seed", "max_seq_len", "steps", "batch_size", "lr", "warmup",
               "ttt_steps", "draft_vocab", "seed", "device", "eval_draft_len", "eval_max_prompts",
               "eval_max_tokens", "export_dtype", "time_limit", "gen_workers", "regenerate_only")
     try:
@@ -318,6 +321,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(f"regenerated {report['regenerated']} sequences into {report['data']}")
         return 0
     for name, e in report["eval"].items():
+        if e["acceptance_length"] is None:
+            print(f"{name}: no speculative step ran (outputs too short to measure acceptance)")
+            continue
         pos = " ".join(f"{p:.2f}" for p in e["per_position_acceptance"])
         print(f"{name}: acceptance length {e['acceptance_length']:.2f} (D={e['draft_len']}), per position [{pos}]")
     print(f"head written to {a.out}/head; report in {a.out}/report.json")

@@ -191,6 +191,32 @@ def test_regenerate_only_writes_data_and_stops(dirs, tmp_path):
     assert (tmp_path / "o" / "data.pt").is_file() and not (tmp_path / "o" / "head").exists()
 
 
+def test_data_files_combine_and_must_share_their_held_out_prompts(dirs, tmp_path):
+    """Greedy and sampled regenerations of the same prompts train one head; data regenerated from another
+    split is refused (it would put held-out prompts into training)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(6)))
+    base = dict(target=str(dirs / "target"), method="eagle3", prompts=[str(prompts)], device="cpu",
+                gen_max_tokens=5, regenerate_only=True)
+    train(TrainConfig(out=str(tmp_path / "greedy"), **base))
+    train(TrainConfig(out=str(tmp_path / "t1"), gen_temperature=1.0, **base))
+    train(TrainConfig(out=str(tmp_path / "t1b"), gen_temperature=1.0, gen_seed=7, **base))
+    train(TrainConfig(out=str(tmp_path / "other"), **dict(base, seed=3)))
+    files = [str(tmp_path / n / "data.pt") for n in ("greedy", "t1", "t1b", "other")]
+    greedy, t1, t1b, other = (torch.load(f) for f in files)
+    assert t1["holdout_prompts"] == t1b["holdout_prompts"] == greedy["holdout_prompts"] != other["holdout_prompts"]
+    assert t1["train"] != t1b["train"]  # --gen-seed changes the samples, not the split
+    rep = train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=[], out=str(tmp_path / "h"),
+                            device="cpu", data=files[:3], steps=2, batch_size=2, eval_max_prompts=1,
+                            eval_max_tokens=2))
+    assert rep["train_sequences"] == 15
+    with pytest.raises(ValueError, match="held-out prompts differ"):
+        train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=[], out=str(tmp_path / "x"),
+                          device="cpu", data=[files[0], files[3]], steps=2))
+    with pytest.raises(ValueError, match="regenerate-only"):
+        TrainConfig(target=None, method="mtp", prompts=[], out="o", data=files[0], regenerate_only=True)
+
+
 def test_prompt_file_shapes(tmp_path):
     recs = [
         {"prompt": "p1"},

@@ -63,8 +63,9 @@ def write_report(out: Path, report: dict) -> None:
         width = 0.8 / len(evals)
         for i, (name, e) in enumerate(evals.items()):
             pos = e["per_position_acceptance"]
+            al = e["acceptance_length"]  # None when the set ran no speculative step (outputs of 1 token)
             ax.bar([j + i * width for j in range(len(pos))], pos, width,
-                   label=f"{name} (AL {e['acceptance_length']:.2f})")
+                   label=f"{name} (AL {'n/a' if al is None else f'{al:.2f}'})")
         ax.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1),
                title="per-position acceptance on held-out prompts (greedy)")
         ax.legend()

@@ -40,11 +40,12 @@ class TrainConfig:
     prompts: list[str]
     out: str
     eval_prompts: list[str] = field(default_factory=list)  # extra held-out files (e.g. HumanEval)
-    data: str | None = None  # reuse regenerated data from another run (its data.pt)
+    data: list[str] | str | None = None  # reuse regenerated data of earlier runs (their data.pt files, combined)
     holdout: float = 0.05
     max_prompts: int | None = None
     gen_max_tokens: int = 256
     gen_temperature: float = 0.0
+    gen_seed: int | None = None  # sampling seed of the regenerated responses (default: seed; the split keeps seed)
     gen_dtype: str = "auto"
     gen_workers: int = 1  # engine processes sharing the device for regeneration
     regenerate_only: bool = False  # stop once data.pt is written (train heads from it later with --data)
@@ -67,10 +68,14 @@ class TrainConfig:
     export_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            self.data = [self.data]
         if self.method not in ("eagle3", "mtp"):
             raise ValueError(f"--method must be eagle3 or mtp, got {self.method!r}")
         if not self.prompts and not self.data:
             raise ValueError("give --prompts FILE [FILE ...] (or --data from an earlier run)")
+        if self.regenerate_only and self.data:
+            raise ValueError("--regenerate-only writes new data; it cannot be combined with --data")
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"--holdout must be in [0, 1), got {self.holdout}")
         for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers"):
@@ -122,7 +127,8 @@ def _regenerate_shard(cfg: TrainConfig, indexed: list[tuple[int, str]], worker: 
               gpu_memory_utilization=0.8 / workers)
     tok = llm.tokenizer
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
-    params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_tokens, seed=cfg.seed + i)
+    seed = cfg.seed if cfg.gen_seed is None else cfg.gen_seed
+    params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_tokens, seed=seed + i)
               for i, _ in indexed]
     outs = llm.generate(reqs, params, use_tqdm=worker == 0, raise_on_error=False)
     rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}
@@ -131,6 +137,26 @@ def _regenerate_shard(cfg: TrainConfig, indexed: list[tuple[int, str]], worker: 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
+
+
+def load_data(paths: list[str]) -> dict:
+    """Regenerated data of earlier runs (``data.pt`` each), combined: e.g. greedy and sampled responses to
+    the same prompts. The files must share their held-out prompts, or training would see held-out ones."""
+    data: dict | None = None
+    for p in paths:
+        if not Path(p).is_file():
+            raise ValueError(f"--data {p}: no such file")
+        d = torch.load(p)
+        log.info("loaded %d regenerated sequences from %s", len(d["train"]), p)
+        if data is None:
+            data = dict(d, gen_seconds=d.get("gen_seconds") or 0.0)
+            continue
+        if d.get("holdout_prompts") != data.get("holdout_prompts"):
+            raise ValueError(f"--data {p}: its held-out prompts differ from {paths[0]}'s (regenerate with the same "
+                             "prompt files, --holdout and --seed; --gen-seed changes the sampling only)")
+        data["train"] = data["train"] + d["train"]
+        data["gen_seconds"] += d.get("gen_seconds") or 0.0
+    return data
 
 
 def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, ...]:
@@ -264,8 +290,10 @@ def train(cfg: TrainConfig) -> dict:
         train_p, hold_p = split_prompts(cfg) if cfg.prompts else ([], [])
         split = {"train": train_p, "holdout": hold_p}
         split_path.write_text(json.dumps(split))
-    data_path = Path(cfg.data) if cfg.data else out / "data.pt"
-    if data_path.is_file():
+    data_path = out / "data.pt"
+    if cfg.data:
+        data = load_data(cfg.data)
+    elif data_path.is_file():
         data = torch.load(data_path)
         log.info("loaded %d regenerated sequences from %s", len(data["train"]), data_path)
     else:
