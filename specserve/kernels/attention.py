@@ -112,8 +112,11 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, query_index, query_p
     q_pad = torch.cat((q, q.new_zeros(1, hq, d)))[query_index]  # [B, Q, Hq, D]
     k = k_cache[block_tables].view(b, -1, hkv, d)  # [B, K, Hkv, D]
     v = v_cache[block_tables].view(b, -1, hkv, d)
+    # Flex's decoding kernel holds a row's queries of all grouped heads in one tile; past 128 of them it finds
+    # no kernel config that fits (seen on the H200 with a 70-token chunk, GQA 4, head_dim 128): use the main one
+    opts = {"FORCE_USE_FLEX_ATTENTION": True} if qlen * (hq // hkv) > 128 else None
     out = fn(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
-             enable_gqa=hq != hkv)  # [B, Hq, Q, D]
+             enable_gqa=hq != hkv, kernel_options=opts)  # [B, Hq, Q, D]
     return out.transpose(1, 2).reshape(b * qlen, hq, d)[_flat_index(query_index, t)]
 
 
