@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains both shipped heads for the default model on the GPU machine (model at /root/model.gguf).
 #   bash benchmarks/gpu_train_all.sh regen NAME [train-draft args...]  # responses -> /root/regen-NAME/data.pt
-#   DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side
+#   [METHODS=eagle3] DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side
 # SNAP names a copy of the package to run (so the run does not depend on the working tree of the moment).
 set -uo pipefail
 mode=$1; shift
@@ -20,12 +20,12 @@ if [ "$mode" = regen ]; then
   mkdir -p "$OUT/regen-$name" && cp /root/regen-$name/data.pt "$OUT/regen-$name/"
   exit 0
 fi
-for m in eagle3 mtp; do
+for m in ${METHODS:-eagle3 mtp}; do
   timeout ${TRAIN_LIMIT:-585} $py -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
     --data ${DATA:-/root/regen/data.pt} "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
 done
 wait
-for m in eagle3 mtp; do
+for m in ${METHODS:-eagle3 mtp}; do
   echo "== $m"; filter < /tmp/train-$m.log | tail -25
   # one archive per head: a device call returns at most 8 files (a run with loose files lost a head once)
   (cd /root/$m && tar -cf "$OUT/$m.tar" head report.json loss.png acceptance.png)

@@ -79,7 +79,8 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
                                + "\n" for i in range(30)))
     common = dict(target=str(dirs / "target"), prompts=[str(prompts)], device="cpu", steps=60, batch_size=4,
                   gen_max_tokens=24, warmup=5, lr=2e-3, eval_max_tokens=12, holdout=0.1, log_every=5)
-    rep = train(TrainConfig(method="eagle3", out=str(tmp_path / "e3"), draft_vocab=120, **common))
+    rep = train(TrainConfig(method="eagle3", out=str(tmp_path / "e3"), draft_vocab=120, aux_layers=(6, 0, 7),
+                            **common))
     hist = rep["history"]
     first = sum(h["loss"] for h in hist[:2]) / 2
     last = sum(h["loss"] for h in hist[-2:]) / 2
@@ -95,6 +96,7 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     head_dir = tmp_path / "e3" / "head"
     cfg = json.loads((head_dir / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 120 and cfg["torch_dtype"] == "bfloat16"
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 7, 8]  # inputs of layers = outputs + 1
     spec = LLM(str(dirs / "target"), device="cpu", dtype="float32",
                speculative_config=dict(method="eagle3", draft_model=str(head_dir), max_draft_len=3))
     plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
@@ -260,3 +262,14 @@ def test_learning_rate_decays_over_the_time_limit_when_it_comes_first():
     assert _lr(cfg, 20, elapsed=50.0) == pytest.approx(0.55)  # half the time: half-way down the cosine
     assert _lr(cfg, 20, elapsed=100.0) == pytest.approx(0.1)
     assert _lr(cfg, 1000, elapsed=1.0) == pytest.approx(0.1)  # steps exhausted first
+
+
+def test_aux_layers_are_validated(dirs):
+    from specserve.loaders import load_model
+
+    with pytest.raises(ValueError, match="eagle3 only"):
+        TrainConfig(target=None, method="mtp", prompts=["x"], out="o", aux_layers=(1, 2, 3))
+    target = load_model(str(dirs / "target"), torch.float32, "cpu").model
+    for bad in ((1, 2), (1, 1, 2), (0, 3, 8)):  # 8 layers: ids 0..7
+        with pytest.raises(ValueError, match="three different layer ids"):
+            build_head(TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", aux_layers=bad), target, [])

@@ -57,6 +57,7 @@ class TrainConfig:
     ttt_steps: int = 4
     ttt_decay: float = 0.9
     draft_vocab: int = 0  # 0: share the target's lm_head
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers whose outputs feed the head (default (1, L/2-1, L-4))
     seed: int = 0
     device: str | None = None
     save_every: int = 250
@@ -74,6 +75,8 @@ class TrainConfig:
             raise ValueError(f"--method must be eagle3 or mtp, got {self.method!r}")
         if not self.prompts and not self.data:
             raise ValueError("give --prompts FILE [FILE ...] (or --data from an earlier run)")
+        if self.aux_layers and self.method != "eagle3":
+            raise ValueError("--aux-layers applies to --method eagle3 only")
         if self.regenerate_only and self.data:
             raise ValueError("--regenerate-only writes new data; it cannot be combined with --data")
         if not 0.0 <= self.holdout < 1.0:
@@ -180,7 +183,11 @@ def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
     torch.manual_seed(cfg.seed)
     if cfg.method == "eagle3":
         dv = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else None
-        head: DraftHead = Eagle3Head(tcfg, default_eagle3_layers(tcfg.num_hidden_layers), dv)
+        n = tcfg.num_hidden_layers
+        layers = tuple(cfg.aux_layers) if cfg.aux_layers else default_eagle3_layers(n)
+        if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= a < n for a in layers):
+            raise ValueError(f"--aux-layers needs three different layer ids in [0, {n}), got {layers}")
+        head: DraftHead = Eagle3Head(tcfg, tuple(sorted(layers)), dv)
         if dv is not None:  # the dv most frequent tokens of the regenerated responses
             counts = torch.zeros(tcfg.vocab_size, dtype=torch.int64)
             for d in data:
