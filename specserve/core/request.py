@@ -37,6 +37,11 @@ class RequestMetrics:
         return (self.finished_time - self.first_token_time) / (num_tokens - 1)
 
     @property
+    def queue(self) -> float | None:
+        """Seconds from arrival until the scheduler first ran the request (waiting for a free slot)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
     def e2e(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
@@ -157,7 +162,7 @@ class RequestOutput:
         m = self.metrics
         if m is None:
             return {}
-        return {"ttft_s": m.ttft, "tpot_s": m.tpot(len(self.token_ids)), "e2e_s": m.e2e,
+        return {"ttft_s": m.ttft, "tpot_s": m.tpot(len(self.token_ids)), "e2e_s": m.e2e, "queue_s": m.queue,
                 "num_preemptions": m.num_preemptions}
 
     def spec_metrics(self) -> dict | None:

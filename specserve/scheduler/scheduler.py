@@ -11,6 +11,7 @@ freed and it goes back to the front of the queue to recompute prompt + output so
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -111,6 +112,8 @@ class Scheduler:
                 self.waiting.popleft()
                 self.pool.reserve(req.block_ids, self._slots(req, n))
                 req.status = RequestStatus.RUNNING
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = time.perf_counter()
                 self.running.append(req)
                 out.scheduled.append(self._entry(req, n))
                 budget -= n
