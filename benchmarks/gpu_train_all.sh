@@ -2,6 +2,8 @@
 # Trains both shipped heads for the default model on the GPU machine (model at /root/model.gguf).
 #   bash benchmarks/gpu_train_all.sh regen NAME [train-draft args...]  # responses -> /root/regen-NAME/data.pt
 #   [METHODS=eagle3] DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side
+# Training longer than one call: pass --time-limit TOTAL --stop-after PER_CALL and repeat the same command
+# on the warm machine; each call resumes the checkpoint and the last one exports and evaluates.
 # SNAP names a copy of the package to run (so the run does not depend on the working tree of the moment).
 set -uo pipefail
 mode=$1; shift
@@ -28,6 +30,7 @@ wait
 for m in ${METHODS:-eagle3 mtp}; do
   echo "== $m"; filter < /tmp/train-$m.log | tail -25
   # one archive per head: a device call returns at most 8 files (a run with loose files lost a head once)
-  (cd /root/$m && tar -cf "$OUT/$m.tar" head report.json loss.png acceptance.png)
+  # (a run paused by --stop-after has no head yet: the next call resumes it from /root/$m/checkpoint.pt)
+  [ -d /root/$m/head ] && (cd /root/$m && tar -cf "$OUT/$m.tar" head $(ls report.json loss.png acceptance.png 2>/dev/null))
 done
 ls -la "$OUT"

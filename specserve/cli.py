@@ -134,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--eval-draft-len", type=int, default=4)
     tr.add_argument("--eval-max-prompts", type=int, default=64)
     tr.add_argument("--eval-max-tokens", type=int, default=256)
-    tr.add_argument("--time-limit", type=float, default=None, help="stop training after this many seconds")
+    tr.add_argument("--time-limit", type=float, default=None,
+                    help="stop training after this many seconds (counted over resumes; the LR decays over it)")
+    tr.add_argument("--stop-after", type=float, default=None,
+                    help="checkpoint and exit after this many seconds of this invocation; rerun to resume")
     tr.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     tr.add_argument("-v", "--verbose", action="store_true")
     _bench_parser(sub)
@@ -312,13 +315,17 @@ def cmd_train(a: argparse.Namespace) -> int:
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
               "gen_max_tokens", "gen_temperature", "gen_seed", "max_seq_len", "steps", "batch_size", "lr", "warmup",
               "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
-              "eval_max_tokens", "export_dtype", "time_limit", "gen_workers", "regenerate_only")
+              "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only")
     try:
         cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
         report = train(cfg)
     except ValueError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
+    if report.get("paused"):
+        print(f"paused at step {report['step']} after {report['train_seconds']:.0f} s of training; "
+              f"run the same command again to resume from {report['checkpoint']}")
+        return 0
     if cfg.regenerate_only:
         print(f"regenerated {report['regenerated']} sequences into {report['data']}")
         return 0

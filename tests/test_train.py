@@ -273,3 +273,24 @@ def test_aux_layers_are_validated(dirs):
     for bad in ((1, 2), (1, 1, 2), (0, 3, 8)):  # 8 layers: ids 0..7
         with pytest.raises(ValueError, match="three different layer ids"):
             build_head(TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", aux_layers=bad), target, [])
+
+
+def test_stop_after_pauses_and_the_time_budget_spans_resumes(dirs, tmp_path):
+    """--stop-after checkpoints and exits without exporting; the training seconds are kept in the checkpoint,
+    so a resumed run's --time-limit (and LR decay) counts the time already trained."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Name a colour, {i}."}) + "\n" for i in range(8)))
+    base = dict(target=str(dirs / "target"), method="mtp", prompts=[str(prompts)], out=str(tmp_path / "o"),
+                device="cpu", gen_max_tokens=6, batch_size=2, log_every=1, eval_max_prompts=1, eval_max_tokens=4)
+    rep = train(TrainConfig(steps=6, stop_after=0.0, **base))
+    assert rep["paused"] and rep["step"] == 0 and not (tmp_path / "o" / "head").exists()
+    rep = train(TrainConfig(steps=6, **base))  # resumes and finishes
+    assert [h["step"] for h in rep["history"]] == list(range(6)) and (tmp_path / "o" / "head").is_dir()
+    trained = torch.load(tmp_path / "o" / "checkpoint.pt")["train_seconds"]
+    assert rep["train_seconds"] >= trained > 0
+    # the same run with more steps but a budget already spent: stops at once instead of training on
+    again = train(TrainConfig(steps=12, time_limit=trained / 2, **base))
+    assert again["steps_done"] == 6 and again["history"][-1]["step"] == 5
+    with pytest.raises(ValueError, match="stop-after"):
+        TrainConfig(stop_after=-1, **dict(base, steps=1))
+

@@ -61,7 +61,8 @@ class TrainConfig:
     seed: int = 0
     device: str | None = None
     save_every: int = 250
-    time_limit: float | None = None  # seconds of training after which the run stops early and exports
+    time_limit: float | None = None  # seconds of training (over all resumes) after which the run stops and exports
+    stop_after: float | None = None  # seconds of this invocation's training loop after which it checkpoints and exits
     log_every: int = 10
     eval_draft_len: int = 4
     eval_max_prompts: int = 64
@@ -81,6 +82,9 @@ class TrainConfig:
             raise ValueError("--regenerate-only writes new data; it cannot be combined with --data")
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"--holdout must be in [0, 1), got {self.holdout}")
+        for name in ("time_limit", "stop_after"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -321,30 +325,42 @@ def train(cfg: TrainConfig) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     history: list[dict] = []
-    start = 0
+    start, prior = 0, 0.0
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file():
         state = torch.load(ckpt, map_location=device)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
-        start, history = state["step"], state["history"]
-        log.info("resuming from step %d", start)
+        start, history, prior = state["step"], state["history"], state.get("train_seconds", 0.0)
+        log.info("resuming from step %d (%.0f s trained)", start, prior)
+
+    t_call = time.perf_counter()
+
+    def elapsed() -> float:  # training seconds over every invocation: the time limit and the LR decay use it
+        return prior + time.perf_counter() - t_call
+
+    def save(next_step: int) -> None:
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": next_step, "history": history,
+                    "train_seconds": elapsed()}, ckpt)
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.method}", unit="step")
-    t_train = time.perf_counter()
-    stopped_early = None
+    stopped_early = paused = None
     for step in bar:
-        if cfg.time_limit is not None and time.perf_counter() - t_train > cfg.time_limit:
+        if cfg.time_limit is not None and elapsed() > cfg.time_limit:
             stopped_early = step
             log.warning("time limit of %.0f s reached: stopping at step %d of %d", cfg.time_limit, step, cfg.steps)
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history}, ckpt)
+            save(step)
+            break
+        if cfg.stop_after is not None and time.perf_counter() - t_call > cfg.stop_after:
+            paused = step
+            save(step)
             break
         rng = random.Random(cfg.seed * 1_000_003 + step)  # batch of step n is the same after a resume
         idx = [rng.randrange(len(seqs)) for _ in range(cfg.batch_size)]
         tokens, lengths, starts = make_batch(seqs, idx, cfg.max_seq_len, device)
         hidden, aux = target_features(target, head, tokens)
         for g in opt.param_groups:
-            g["lr"] = lr = _lr(cfg, step, time.perf_counter() - t_train)
+            g["lr"] = lr = _lr(cfg, step, elapsed())
         loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
         if loss is None:
             log.warning("step %d: no response tokens within --max-seq-len in this batch; skipped", step)
@@ -357,9 +373,13 @@ def train(cfg: TrainConfig) -> dict:
             history.append({"step": step, "loss": loss.item(), "losses": losses, "acc": accs, "lr": lr})
             bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step + 1, "history": history},
-                       ckpt)
-    train_seconds = time.perf_counter() - t_train
+            save(step + 1)
+    bar.close()
+    train_seconds = elapsed()
+    if paused is not None:
+        log.warning("--stop-after %.0f s: checkpoint at step %d of %d in %s; run the same command again to resume",
+                    cfg.stop_after, paused, cfg.steps, ckpt)
+        return {"paused": True, "step": paused, "train_seconds": train_seconds, "checkpoint": str(ckpt)}
 
     head_dir = out / "head"
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.export_dtype]
