@@ -284,6 +284,11 @@ def _lr(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def _save_checkpoint(path: Path, head: DraftHead, opt, next_step: int, history: list, seconds: float) -> None:
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": next_step, "history": history,
+                "train_seconds": seconds}, path)
+
+
 def train(cfg: TrainConfig) -> dict:
     from tqdm import tqdm
 
@@ -339,21 +344,17 @@ def train(cfg: TrainConfig) -> dict:
     def elapsed() -> float:  # training seconds over every invocation: the time limit and the LR decay use it
         return prior + time.perf_counter() - t_call
 
-    def save(next_step: int) -> None:
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": next_step, "history": history,
-                    "train_seconds": elapsed()}, ckpt)
-
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.method}", unit="step")
     stopped_early = paused = None
     for step in bar:
         if cfg.time_limit is not None and elapsed() > cfg.time_limit:
             stopped_early = step
             log.warning("time limit of %.0f s reached: stopping at step %d of %d", cfg.time_limit, step, cfg.steps)
-            save(step)
+            _save_checkpoint(ckpt, head, opt, step, history, elapsed())
             break
         if cfg.stop_after is not None and time.perf_counter() - t_call > cfg.stop_after:
             paused = step
-            save(step)
+            _save_checkpoint(ckpt, head, opt, step, history, elapsed())
             break
         rng = random.Random(cfg.seed * 1_000_003 + step)  # batch of step n is the same after a resume
         idx = [rng.randrange(len(seqs)) for _ in range(cfg.batch_size)]
@@ -373,7 +374,7 @@ def train(cfg: TrainConfig) -> dict:
             history.append({"step": step, "loss": loss.item(), "losses": losses, "acc": accs, "lr": lr})
             bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
-            save(step + 1)
+            _save_checkpoint(ckpt, head, opt, step + 1, history, elapsed())
     bar.close()
     train_seconds = elapsed()
     if paused is not None:
