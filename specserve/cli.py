@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine processes regenerating in parallel on the device (a small target is host-bound)")
     tr.add_argument("--regenerate-only", action="store_true",
                     help="write the regenerated data (OUT/data.pt) and stop; train from it later with --data")
+    tr.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of the target's features in training (bfloat16 also runs the head's matmuls in it)")
     tr.add_argument("--max-seq-len", type=int, default=1024)
     tr.add_argument("--steps", type=int, default=2000)
     tr.add_argument("--batch-size", type=int, default=16, help="sequences per training step")
@@ -313,7 +315,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     from specserve.train.trainer import TrainConfig, train
 
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
-              "gen_max_tokens", "gen_temperature", "gen_seed", "max_seq_len", "steps", "batch_size", "lr", "warmup",
+              "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps", "batch_size", "lr", "warmup",
               "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
               "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only")
     try:

@@ -281,7 +281,8 @@ def test_stop_after_pauses_and_the_time_budget_spans_resumes(dirs, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Name a colour, {i}."}) + "\n" for i in range(8)))
     base = dict(target=str(dirs / "target"), method="mtp", prompts=[str(prompts)], out=str(tmp_path / "o"),
-                device="cpu", gen_max_tokens=6, batch_size=2, log_every=1, eval_max_prompts=1, eval_max_tokens=4)
+                device="cpu", gen_max_tokens=6, batch_size=2, log_every=1, eval_max_prompts=1, eval_max_tokens=4,
+                target_dtype="bfloat16")  # (and the bf16 training path end to end)
     rep = train(TrainConfig(steps=6, stop_after=0.0, **base))
     assert rep["paused"] and rep["step"] == 0 and not (tmp_path / "o" / "head").exists()
     rep = train(TrainConfig(steps=6, **base))  # resumes and finishes
@@ -294,3 +295,29 @@ def test_stop_after_pauses_and_the_time_budget_spans_resumes(dirs, tmp_path):
     with pytest.raises(ValueError, match="stop-after"):
         TrainConfig(stop_after=-1, **dict(base, steps=1))
 
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_bfloat16_target_features_train_the_float32_head(dirs, method):
+    """--target-dtype bfloat16: the target runs in bf16 and the head's matmuls under autocast, while the
+    head's weights (and so its gradients and optimizer state) stay float32; the loss stays close to float32's."""
+    from specserve.loaders import load_model
+
+    g = torch.Generator().manual_seed(5)
+    data = [{"prompt_ids": torch.randint(0, 100, (6,), generator=g).tolist(),
+             "response_ids": torch.randint(0, 100, (10,), generator=g).tolist()} for _ in range(3)]
+    tokens, lengths, starts = make_batch(data, [0, 1, 2], 16, "cpu")
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target = load_model(str(dirs / "target"), dtype, "cpu").model
+        cfg = TrainConfig(target=None, method=method, prompts=["x"], out="unused")
+        head = build_head(cfg, target, data)
+        hidden, aux = target_features(target, head, tokens)
+        assert hidden.dtype == dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss, _, _ = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
+        loss.backward()
+        grads = [p.grad for p in head.parameters() if p.requires_grad]
+        assert grads and all(gr is not None and gr.dtype == torch.float32 and gr.abs().sum() > 0 for gr in grads)
+        losses[dtype] = loss.item()
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=0.03)

@@ -2,7 +2,8 @@
 
 1. Regenerate responses to the prompts with the target itself (specserve's engine, chat template), so the
    head learns the target's own distribution; held-out prompts are split off first and never trained on.
-2. For each batch of sequences, run the target (float32, dense causal attention) for the features the head
+2. For each batch of sequences, run the target (float32, or bfloat16 with ``target_dtype`` and the head's
+   matmuls under autocast; dense causal attention) for the features the head
    needs (three aux layers for EAGLE-3, the final hidden state for MTP) and its next-token distribution.
 3. Training-time test: unroll ``ttt_steps`` draft steps; step k feeds the head's own previous output as
    hidden state and is trained, with soft cross-entropy, towards the target's distribution k + 2 tokens ahead.
@@ -47,6 +48,7 @@ class TrainConfig:
     gen_temperature: float = 0.0
     gen_seed: int | None = None  # sampling seed of the regenerated responses (default: seed; the split keeps seed)
     gen_dtype: str = "auto"
+    target_dtype: str = "float32"  # target features in training; bfloat16 also runs the head's matmuls in it
     gen_workers: int = 1  # engine processes sharing the device for regeneration
     regenerate_only: bool = False  # stop once data.pt is written (train heads from it later with --data)
     max_seq_len: int = 1024
@@ -82,6 +84,8 @@ class TrainConfig:
             raise ValueError("--regenerate-only writes new data; it cannot be combined with --data")
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"--holdout must be in [0, 1), got {self.holdout}")
+        if self.target_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--target-dtype must be float32 or bfloat16, got {self.target_dtype!r}")
         for name in ("time_limit", "stop_after"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -325,7 +329,8 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError("no training sequences: every prompt failed or produced nothing")
     holdout = data.get("holdout_prompts", split["holdout"])
 
-    target = load_model(cfg.target, torch.float32, device).model
+    low = cfg.target_dtype == "bfloat16"  # head weights and optimizer state stay float32 either way
+    target = load_model(cfg.target, torch.bfloat16 if low else torch.float32, device).model
     head = build_head(cfg, target, seqs)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -362,7 +367,8 @@ def train(cfg: TrainConfig) -> dict:
         hidden, aux = target_features(target, head, tokens)
         for g in opt.param_groups:
             g["lr"] = lr = _lr(cfg, step, elapsed())
-        loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
+            loss, losses, accs = ttt_loss(cfg, head, tokens, lengths, starts, hidden, aux)
         if loss is None:
             log.warning("step %d: no response tokens within --max-seq-len in this batch; skipped", step)
             continue
