@@ -3,7 +3,7 @@
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4]
-# Stage limits (s): tests 150, default 200, throughput 120, scale 200, attention 230, spec16 100, hf4 200.
+# Stage limits (s): tests 150, default 200, throughput 120, scale 200, attention 230, spec16 180, hf4 200.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -27,7 +27,7 @@ for st in $stages; do
     attention) SPECSERVE_TEST_GGUF=$M timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
                -k check_attention 2>&1 | tail -5
              timeout 110 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
-    spec16) timeout 100 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+    spec16) timeout 180 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
     hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 4 --repeats 2 --compare hf hf-compile --out $OUT/hf4 2>&1 | quiet | tail -16 ;;

@@ -9,8 +9,11 @@ Work split: one program per (row, query tile, KV head, key split). The query hea
 (GQA) and the queries of a tile are packed into the rows of one ``tl.dot``, so a verify step with 1 + D
 queries costs about what a decode step costs. Keys are split in ranges of ``SPLIT`` positions so that a
 batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
-once, and a second kernel merges the splits' partial softmax sums. Positions are read on the device, so
-the launch shape depends only on host-known sizes and the step can be captured in a CUDA graph.
+once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions
+one program covers them all and writes the output itself: no partial buffers, no second launch (a short
+context gains nothing from splitting, and a launch is a fixed cost in a step of a few hundred kernels).
+Positions are read on the device, so the launch shape depends only on host-known sizes and the step can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ except ImportError:
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT = 256  # key positions per split
+ONE_SPLIT_KEYS = 1024  # block tables up to this many positions: one split, no merge kernel
 BLOCK_N = 64  # key positions per inner iteration
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
-    query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to what the block tables can hold."""
+    query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
+    positions and to ``SPLIT`` positions per split past that."""
     t, hq, d = q.shape
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -47,25 +52,31 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     block_m = max(16, min(64, triton.next_power_of_2(qw * g)))
     qpt = max(1, block_m // g)  # queries per tile
     n_qt = triton.cdiv(qw, qpt)
+    keys = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = triton.cdiv(block_tables.shape[1] * page, SPLIT)
+        num_splits = 1 if keys <= ONE_SPLIT_KEYS else triton.cdiv(keys, SPLIT)
+    # key positions per split: a power of two (few compiled variants) covering the table
+    span = max(BLOCK_N, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
+    final = num_splits == 1  # the split kernel normalises and writes the output itself
     head_d = triton.next_power_of_2(d)
     out = torch.empty_like(q)
-    part_acc = torch.empty((b * n_qt, hkv, num_splits, block_m, head_d), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((b * n_qt, hkv, num_splits, 2, block_m), dtype=torch.float32, device=q.device)
+    parts = (1, 1, 1) if final else (b * n_qt, hkv, num_splits)  # partial sums: unused with one split
+    part_acc = torch.empty(parts + (block_m, head_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(parts + (2, block_m), dtype=torch.float32, device=q.device)
     if t == 0 or b == 0:
         return out
     _attn_split_kernel[(b * n_qt, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, query_index, query_pos, part_acc, part_ml, scale, t, qw, n_qt,
+        q, k_cache, v_cache, block_tables, query_index, query_pos, part_acc, part_ml, out, scale, t, qw, n_qt,
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), query_index.stride(0), num_splits,
-        G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=SPLIT, PAGE=page, D=d, HEAD_D=head_d,
-        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=SPLIT // BLOCK_N)
-    _attn_merge_kernel[(b * n_qt, hkv)](
-        part_acc, part_ml, out, query_index, query_pos, t, qw, n_qt, out.stride(0), out.stride(1),
-        query_index.stride(0), num_splits,
-        G=g, QPT=qpt, BLOCK_M=block_m, SPLIT=SPLIT, D=d, HEAD_D=head_d, DYNAMIC=not _INTERPRET,
-        NS_STATIC=num_splits if _INTERPRET else 0)
+        block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
+        G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
+        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // BLOCK_N, FINAL=final)
+    if not final:
+        _attn_merge_kernel[(b * n_qt, hkv)](
+            part_acc, part_ml, out, query_index, query_pos, t, qw, n_qt, out.stride(0), out.stride(1),
+            query_index.stride(0), num_splits,
+            G=g, QPT=qpt, BLOCK_M=block_m, SPLIT=span, D=d, HEAD_D=head_d, DYNAMIC=not _INTERPRET,
+            NS_STATIC=num_splits if _INTERPRET else 0)
     return out
 
 
@@ -188,11 +199,12 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attn_split_kernel(Q, KC, VC, BT, QIDX, QPOS, PACC, PML, scale, T, QW, NQT, WINDOW,
-                           sq_t, sq_h, sc_blk, sc_slot, sc_h, s_bt, s_qi, NS,
+    def _attn_split_kernel(Q, KC, VC, BT, QIDX, QPOS, PACC, PML, O, scale, T, QW, NQT, WINDOW,
+                           sq_t, sq_h, sc_blk, sc_slot, sc_h, s_bt, s_qi, so_t, so_h, NS,
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
-                           IEEE: tl.constexpr, DYNAMIC: tl.constexpr, ITERS_STATIC: tl.constexpr):
+                           IEEE: tl.constexpr, DYNAMIC: tl.constexpr, ITERS_STATIC: tl.constexpr,
+                           FINAL: tl.constexpr):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -227,11 +239,16 @@ if triton is not None:
                 m_i, l_i, acc = _attn_tile(q, qp, lo + it * BLOCK_N, hi_split, m_i, l_i, acc, KC, VC, BT, b, kvh,
                                            scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm,
                                            BLOCK_N, PAGE, IEEE)
-        base = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NS + split
-        rows = tl.arange(0, BLOCK_M)
-        tl.store(PACC + base * (BLOCK_M * HEAD_D) + rows[:, None] * HEAD_D + dd[None, :], acc)
-        tl.store(PML + base * (2 * BLOCK_M) + rows, m_i)
-        tl.store(PML + base * (2 * BLOCK_M) + BLOCK_M + rows, l_i)
+        if FINAL:  # the only split: normalise and write the output (what the merge kernel would do)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(O + qi[:, None] * so_t + hq[:, None] * so_h + dd[None, :], out.to(O.dtype.element_ty),
+                     mask=valid[:, None] & dm[None, :])
+        else:
+            base = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NS + split
+            rows = tl.arange(0, BLOCK_M)
+            tl.store(PACC + base * (BLOCK_M * HEAD_D) + rows[:, None] * HEAD_D + dd[None, :], acc)
+            tl.store(PML + base * (2 * BLOCK_M) + rows, m_i)
+            tl.store(PML + base * (2 * BLOCK_M) + BLOCK_M + rows, l_i)
 
     @triton.jit
     def _merge_split(PACC, PML, base, rows, dd, m_tot, l_tot, acc, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
