@@ -31,7 +31,7 @@ except ImportError:
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT = 256  # key positions per split
-ONE_SPLIT_KEYS = 1024  # block tables up to this many positions: one split, no merge kernel
+ONE_SPLIT_KEYS = 512  # block tables up to this many positions: one split, no merge kernel
 BLOCK_N = 64  # key positions per inner iteration
 
 
