@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains both shipped heads for the default model on the GPU machine (model at /root/model.gguf).
 #   bash benchmarks/gpu_train_all.sh regen NAME [train-draft args...]  # responses -> /root/regen-NAME/data.pt
-#   [METHODS=eagle3] DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]  # EAGLE-3 and MTP-Eagle side by side
+#   [METHODS=eagle3] DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]
+#     # EAGLE-3 and MTP-Eagle (or METHODS only) side by side from the regenerated data files
 # Training longer than one call: pass --time-limit TOTAL --stop-after PER_CALL and repeat the same command
 # on the warm machine; each call resumes the checkpoint and the last one exports and evaluates.
 # SNAP names a copy of the package to run (so the run does not depend on the working tree of the moment).

@@ -315,8 +315,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     from specserve.train.trainer import TrainConfig, train
 
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
-              "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps", "batch_size", "lr", "warmup",
-              "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
+              "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps",
+              "batch_size", "lr", "warmup", "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
               "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only")
     try:
         cfg = TrainConfig(**{f: getattr(a, f) for f in fields})

@@ -59,7 +59,7 @@ class TrainConfig:
     ttt_steps: int = 4
     ttt_decay: float = 0.9
     draft_vocab: int = 0  # 0: share the target's lm_head
-    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers whose outputs feed the head (default (1, L/2-1, L-4))
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers feeding the head (default (1, L/2-1, L-4))
     seed: int = 0
     device: str | None = None
     save_every: int = 250
