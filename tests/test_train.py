@@ -264,7 +264,7 @@ def test_learning_rate_decays_over_the_time_limit_when_it_comes_first():
     assert _lr(cfg, 1000, elapsed=1.0) == pytest.approx(0.1)  # steps exhausted first
 
 
-def test_aux_layers_are_validated(dirs):
+def test_aux_layers_are_validated(dirs, tmp_path):
     from specserve.loaders import load_model
 
     with pytest.raises(ValueError, match="eagle3 only"):
@@ -273,6 +273,11 @@ def test_aux_layers_are_validated(dirs):
     for bad in ((1, 2), (1, 1, 2), (0, 3, 8)):  # 8 layers: ids 0..7
         with pytest.raises(ValueError, match="three different layer ids"):
             build_head(TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", aux_layers=bad), target, [])
+    # train() refuses them before regenerating anything
+    with pytest.raises(ValueError, match="three different layer ids"):
+        train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=["missing.jsonl"],
+                          out=str(tmp_path / "o"), aux_layers=(0, 1, 8)))
+    assert not (tmp_path / "o").exists()
 
 
 def test_stop_after_pauses_and_the_time_budget_spans_resumes(dirs, tmp_path):

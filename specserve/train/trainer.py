@@ -186,16 +186,20 @@ def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[
 # model
 
 
+def eagle3_layers(cfg: TrainConfig, n: int) -> tuple[int, int, int]:
+    """The EAGLE-3 head's target layers (``--aux-layers`` or the default) for a target of ``n`` layers."""
+    layers = tuple(cfg.aux_layers) if cfg.aux_layers else default_eagle3_layers(n)
+    if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= a < n for a in layers):
+        raise ValueError(f"--aux-layers needs three different layer ids in [0, {n}), got {layers}")
+    return tuple(sorted(layers))
+
+
 def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
     tcfg = target.config
     torch.manual_seed(cfg.seed)
     if cfg.method == "eagle3":
         dv = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else None
-        n = tcfg.num_hidden_layers
-        layers = tuple(cfg.aux_layers) if cfg.aux_layers else default_eagle3_layers(n)
-        if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= a < n for a in layers):
-            raise ValueError(f"--aux-layers needs three different layer ids in [0, {n}), got {layers}")
-        head: DraftHead = Eagle3Head(tcfg, tuple(sorted(layers)), dv)
+        head: DraftHead = Eagle3Head(tcfg, eagle3_layers(cfg, tcfg.num_hidden_layers), dv)
         if dv is not None:  # the dv most frequent tokens of the regenerated responses
             counts = torch.zeros(tcfg.vocab_size, dtype=torch.int64)
             for d in data:
@@ -296,6 +300,10 @@ def _save_checkpoint(path: Path, head: DraftHead, opt, next_step: int, history: 
 def train(cfg: TrainConfig) -> dict:
     from tqdm import tqdm
 
+    if cfg.aux_layers and not cfg.regenerate_only:  # checked before a regeneration that may take long
+        from specserve.loaders import load_config
+
+        eagle3_layers(cfg, load_config(cfg.target).num_hidden_layers)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
