@@ -3,10 +3,13 @@ or on the CPU through Triton's interpreter: ``TRITON_INTERPRET=1 python tests/ke
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
+from specserve.kernels import use_triton
+from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.norm import rms_norm, rms_norm_ref
@@ -15,12 +18,24 @@ from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+def kernel_check(fn):
+    """Run a check without autograd (the kernels never run while autograd records) and make sure the
+    Triton path is the one taken, so a check can never compare a reference with itself."""
+    @functools.wraps(fn)
+    def run(device, dtype):
+        with torch.no_grad():
+            assert use_triton(torch.empty(1, device=device)), "the Triton kernels are off for this device"
+            fn(device, dtype)
+    return run
+
+
 def _close(a, b, dtype, what):
     a, b = a.float(), b.float()
     err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
     assert err <= TOL[dtype], f"{what}: max relative error {err:.2e} > {TOL[dtype]:.0e}"
 
 
+@kernel_check
 def check_norm(device, dtype):
     g = torch.Generator().manual_seed(0)
     for h in (64, 576, 1000):
@@ -34,6 +49,7 @@ def check_norm(device, dtype):
         _close(out, ref_out, dtype, "rms_norm+residual")
 
 
+@kernel_check
 def check_silu(device, dtype):
     g = torch.Generator().manual_seed(1)
     for i in (64, 1536, 1500):
@@ -41,6 +57,7 @@ def check_silu(device, dtype):
         _close(silu_and_mul(x), silu_and_mul_ref(x), dtype, "silu_and_mul")
 
 
+@kernel_check
 def check_rope_cache(device, dtype):
     g = torch.Generator().manual_seed(2)
     t, hq, hkv, d, n, bs = 6, 9, 3, 64, 5, 16
@@ -61,6 +78,7 @@ def check_rope_cache(device, dtype):
     assert torch.equal(vc[0], vc[1]), "v -> cache"
 
 
+@kernel_check
 def check_attention(device, dtype):
     g = torch.Generator().manual_seed(3)
     for hq, hkv, d in ((9, 3, 64), (32, 8, 128), (4, 4, 32)):
@@ -102,7 +120,26 @@ def check_attention(device, dtype):
                        paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}, {ns}")
 
 
-CHECKS = [check_norm, check_silu, check_rope_cache, check_attention]
+@kernel_check
+def check_greedy_accept(device, dtype):
+    """Exact: every prefix length, rows verifying fewer drafts, rows that cannot accept, D = 1..6."""
+    del dtype  # integer work; run once per dtype like the other checks
+    g = torch.Generator().manual_seed(4)
+    for d in range(1, 7):
+        b = 64
+        argmax = torch.randint(0, 5, (b, d + 1), generator=g)
+        drafts = torch.where(torch.rand(b, d, generator=g) < 0.7, argmax[:, :d], torch.randint(0, 5, (b, d), generator=g))
+        num = torch.randint(0, d + 1, (b,), generator=g)
+        can = torch.rand(b, generator=g) < 0.8
+        args = [x.to(device) for x in (argmax, drafts, num, can)]
+        acc, em = greedy_accept(*args)
+        cols = torch.arange(d, device=device)
+        ref_acc, ref_em = greedy_accept_ref(args[0], args[1], (cols[None, :] < args[2][:, None]) & args[3][:, None])
+        assert torch.equal(acc, ref_acc) and torch.equal(em, ref_em), f"greedy accept, D={d}"
+        assert int(ref_acc.max()) == d or d > 4, "the check should reach full acceptance"
+
+
+CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels.accept import accepted_prefix, emit, greedy_accept
 from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 
 _ACCEPT_SALT = 0x5BD1E995  # keeps acceptance draws independent of the sampling noise at the same index
@@ -82,15 +83,16 @@ def accept(
     """
     b, d1, v = logits.shape
     d = d1 - 1
-    cols = torch.arange(d, device=logits.device)
-    rows = torch.arange(b, device=logits.device)
-    valid = (cols[None, :] < num_drafts[:, None]) & a.can_accept[:, None]  # [B, D]
     argmax = logits.argmax(dim=-1)  # [B, D+1]: also the argmax of every processed distribution
-    greedy_ok = drafts == argmax[:, :d]
+    rows = torch.arange(b, device=logits.device)
     if a.simple_greedy:
-        ok = greedy_ok & valid
-        accepted = _prefix(ok) if forced is None else _forced(forced, num_drafts, a)
-        return accepted, _emit(drafts, argmax[rows, accepted], accepted)
+        if forced is None:
+            return greedy_accept(argmax, drafts, num_drafts, a.can_accept)  # one kernel on the GPU
+        accepted = _forced(forced, num_drafts, a)
+        return accepted, emit(drafts, argmax[rows, accepted], accepted)
+    cols = torch.arange(d, device=logits.device)
+    valid = (cols[None, :] < num_drafts[:, None]) & a.can_accept[:, None]  # [B, D]
+    greedy_ok = drafts == argmax[:, :d]
 
     n = a.sampling.temperature.shape[0]
     rep = SamplingTensors(*(x.repeat_interleave(d1) for x in (a.sampling.temperature, a.sampling.top_k,
@@ -113,7 +115,7 @@ def accept(
     use_relaxed = a.relaxed[:, None] & state[:, :d]
     ok = torch.where(use_relaxed, relaxed_ok, torch.where(a.greedy[:, None], greedy_ok, sampled_ok)) & valid
     if forced is None:
-        accepted = _prefix(ok)
+        accepted = accepted_prefix(ok)
         rejected = accepted < num_drafts * a.can_accept  # a draft at position `accepted` was turned down
     else:
         accepted = _forced(forced, num_drafts, a)
@@ -129,7 +131,7 @@ def accept(
     sampled_bonus = (lp_b - torch.log(-torch.log(noise))).argmax(dim=-1)
     relaxed_here = a.relaxed & state[rows, accepted]
     bonus = torch.where(a.greedy | relaxed_here, argmax[rows, accepted], sampled_bonus)
-    return accepted, _emit(drafts, bonus, accepted)
+    return accepted, emit(drafts, bonus, accepted)
 
 
 def _forced(forced: float, num_drafts: torch.Tensor, a: AcceptInputs) -> torch.Tensor:
@@ -139,15 +141,3 @@ def _forced(forced: float, num_drafts: torch.Tensor, a: AcceptInputs) -> torch.T
         u = _uniform_scalar(a.sampling.seeds ^ 0x1F2E3D, a.sampling.offsets[:, None])[:, 0]  # [B]
         k = k + (u < forced - base).to(k.dtype)
     return torch.minimum(k, num_drafts * a.can_accept)
-
-
-def _prefix(ok: torch.Tensor) -> torch.Tensor:
-    return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
-
-
-def _emit(drafts: torch.Tensor, bonus: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """[B, D+1]: accepted drafts, the bonus at index ``accepted``, then the bonus again (unused)."""
-    b, d = drafts.shape
-    cols = torch.arange(d + 1, device=drafts.device)
-    padded = torch.cat((drafts, bonus[:, None]), dim=1)
-    return torch.where(cols[None, :] < accepted[:, None], padded, bonus[:, None])
