@@ -3,7 +3,7 @@
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4]
-# Stage limits (s): tests 150, default 200, throughput 120, scale 200, attention 230, spec16 180, hf4 200.
+# Stage limits (s): tests 240, default 200, throughput 120, scale 200, attention 230, spec16 180, hf4 200.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -18,7 +18,7 @@ quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" ; }
 for st in $stages; do
   echo "===== $st $(date +%T)"
   case $st in
-    tests) SPECSERVE_TEST_GGUF=$M timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests) SPECSERVE_TEST_GGUF=$M timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
     default) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf hf-compile --out $OUT/default 2>&1 | quiet | tail -22 ;;
