@@ -17,6 +17,7 @@ prompts=(--prompts .traindata/gpteacher-codegen-instruct.json .traindata/gpteach
          --eval-prompts .traindata/HumanEval.jsonl.gz .traindata/alpaca-seed-tasks.jsonl)
 filter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }
 if [ "$mode" = regen ]; then
+  case ${1:-} in ""|-*) echo "usage: gpu_train_all.sh regen NAME [train-draft args...]" >&2; exit 2 ;; esac
   name=$1; shift
   timeout ${REGEN_LIMIT:-580} $py -m specserve.cli train-draft --target /root/model.gguf --method eagle3 \
     --out /root/regen-$name "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -5
@@ -24,14 +25,15 @@ if [ "$mode" = regen ]; then
   exit 0
 fi
 for m in ${METHODS:-eagle3 mtp}; do
+  touch /tmp/train-$m.log.start  # a head older than this call is not archived again
   timeout ${TRAIN_LIMIT:-585} $py -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
-    --data ${DATA:-/root/regen/data.pt} "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
+    --data ${DATA:-$(ls /root/regen-*/data.pt)} "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
 done
 wait
 for m in ${METHODS:-eagle3 mtp}; do
   echo "== $m"; filter < /tmp/train-$m.log | tail -25
   # one archive per head: a device call returns at most 8 files (a run with loose files lost a head once)
   # (a run paused by --stop-after has no head yet: the next call resumes it from /root/$m/checkpoint.pt)
-  [ -d /root/$m/head ] && (cd /root/$m && tar -cf "$OUT/$m.tar" head $(ls report.json loss.png acceptance.png 2>/dev/null))
+  [ -d /root/$m/head ] && [ /root/$m/head -nt /tmp/train-$m.log.start ] && (cd /root/$m && tar -cf "$OUT/$m.tar" head $(ls report.json loss.png acceptance.png 2>/dev/null))
 done
 ls -la "$OUT"

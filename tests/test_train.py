@@ -273,6 +273,11 @@ def test_aux_layers_are_validated(dirs, tmp_path):
     for bad in ((1, 2), (1, 1, 2), (0, 3, 8)):  # 8 layers: ids 0..7
         with pytest.raises(ValueError, match="three different layer ids"):
             build_head(TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", aux_layers=bad), target, [])
+    # the default layers of a target too shallow for three distinct ones are repeated, not refused
+    shallow = load_model(str(dirs / "target"), torch.float32, "cpu").model
+    shallow.config.num_hidden_layers = 4
+    head = build_head(TrainConfig(target=None, method="eagle3", prompts=["x"], out="o"), shallow, [])
+    assert head.aux_layers == (1, 1, 0)
     # train() refuses them before regenerating anything
     with pytest.raises(ValueError, match="three different layer ids"):
         train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=["missing.jsonl"],

@@ -47,6 +47,8 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
     if not use_triton(argmax) or d == 0:
         cols = torch.arange(d, device=drafts.device)
         return greedy_accept_ref(argmax, drafts, (cols[None, :] < num_drafts[:, None]) & can_accept[:, None])
+    # the kernel reads rows with unit column stride (no-ops for the worker's tensors)
+    argmax, drafts, num_drafts, can_accept = (x.contiguous() for x in (argmax, drafts, num_drafts, can_accept))
     accepted = torch.empty(b, dtype=torch.int64, device=argmax.device)
     emitted = torch.empty(b, d + 1, dtype=torch.int64, device=argmax.device)
     if b:

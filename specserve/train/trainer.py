@@ -186,9 +186,12 @@ def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[
 # model
 
 
-def eagle3_layers(cfg: TrainConfig, n: int) -> tuple[int, int, int]:
-    """The EAGLE-3 head's target layers (``--aux-layers`` or the default) for a target of ``n`` layers."""
-    layers = tuple(cfg.aux_layers) if cfg.aux_layers else default_eagle3_layers(n)
+def eagle3_layers(cfg: TrainConfig, n: int) -> tuple[int, ...]:
+    """The EAGLE-3 head's target layers for a target of ``n`` layers: ``--aux-layers`` (checked, sorted) or
+    the default (which repeats layers on targets of fewer than 7 layers; the head accepts that)."""
+    if not cfg.aux_layers:
+        return default_eagle3_layers(n)
+    layers = tuple(cfg.aux_layers)
     if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= a < n for a in layers):
         raise ValueError(f"--aux-layers needs three different layer ids in [0, {n}), got {layers}")
     return tuple(sorted(layers))
