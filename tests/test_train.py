@@ -331,3 +331,14 @@ def test_bfloat16_target_features_train_the_float32_head(dirs, method):
         assert grads and all(gr is not None and gr.dtype == torch.float32 and gr.abs().sum() > 0 for gr in grads)
         losses[dtype] = loss.item()
     assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=0.03)
+
+
+def test_resume_with_other_aux_layers_is_refused(dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(4)))
+    base = dict(target=str(dirs / "target"), method="eagle3", prompts=[str(prompts)], out=str(tmp_path / "o"),
+                device="cpu", gen_max_tokens=4, batch_size=2, steps=2)
+    train(TrainConfig(stop_after=0.0, aux_layers=(1, 3, 6), **base))
+    with pytest.raises(ValueError, match="same --aux-layers"):
+        train(TrainConfig(aux_layers=(0, 3, 6), **base))
+

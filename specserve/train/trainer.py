@@ -297,7 +297,7 @@ def _lr(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
 
 def _save_checkpoint(path: Path, head: DraftHead, opt, next_step: int, history: list, seconds: float) -> None:
     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": next_step, "history": history,
-                "train_seconds": seconds}, path)
+                "train_seconds": seconds, "aux_layers": list(head.aux_layers)}, path)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -350,6 +350,9 @@ def train(cfg: TrainConfig) -> dict:
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file():
         state = torch.load(ckpt, map_location=device)
+        if state.get("aux_layers", list(head.aux_layers)) != list(head.aux_layers):
+            raise ValueError(f"{ckpt} was trained on target layers {state['aux_layers']}, not "
+                             f"{list(head.aux_layers)}: resume with the same --aux-layers, or use another --out")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         start, history, prior = state["step"], state["history"], state.get("train_seconds", 0.0)
