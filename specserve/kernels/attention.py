@@ -165,9 +165,18 @@ def _flat_index(query_index: torch.Tensor, t: int) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _tile_rows(qtile, QPT: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT: tl.constexpr, G: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+        """Rows of the tile of program ``pid``: m = (query j of row b) * G + grouped head gi.
+        -> row b, gi, valid [BLOCK_M], flat token qi, position qp (-1 where not valid)."""
+        b = (pid // NQT).to(tl.int64)
         m = tl.arange(0, BLOCK_M)
-        return qtile * QPT + m // G, m % G, m < QPT * G
+        j = (pid % NQT) * QPT + m // G
+        valid = (m < QPT * G) & (j < QW)
+        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
+        valid = valid & (qi < T)
+        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        return b, m % G, valid, qi, qp
 
     @triton.jit
     def _attn_tile(q, qp, start, hi, m_i, l_i, acc, KC, VC, BT, b, kvh, scale, WINDOW, sc_blk, sc_slot, sc_h,
@@ -208,12 +217,7 @@ if triton is not None:
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        b = (pid // NQT).to(tl.int64)
-        j, gi, valid = _tile_rows(pid % NQT, QPT, G, BLOCK_M)
-        valid = valid & (j < QW)
-        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
-        valid = valid & (qi < T)
-        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        b, gi, valid, qi, qp = _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT, G, BLOCK_M)
         hq = kvh * G + gi
         dd = tl.arange(0, HEAD_D)
         dm = dd < D
@@ -267,12 +271,7 @@ if triton is not None:
                            NS_STATIC: tl.constexpr):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = (pid // NQT).to(tl.int64)
-        j, gi, valid = _tile_rows(pid % NQT, QPT, G, BLOCK_M)
-        valid = valid & (j < QW)
-        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
-        valid = valid & (qi < T)
-        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        b, gi, valid, qi, qp = _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT, G, BLOCK_M)
         n_used = (tl.max(qp, axis=0) + SPLIT) // SPLIT  # splits that saw keys
         rows = tl.arange(0, BLOCK_M)
         dd = tl.arange(0, HEAD_D)
