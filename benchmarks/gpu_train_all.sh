@@ -34,6 +34,6 @@ for m in ${METHODS:-eagle3 mtp}; do
   echo "== $m"; filter < /tmp/train-$m.log | tail -25
   # one archive per head: a device call returns at most 8 files (a run with loose files lost a head once)
   # (a run paused by --stop-after has no head yet: the next call resumes it from /root/$m/checkpoint.pt)
-  [ -d /root/$m/head ] && [ /root/$m/head -nt /tmp/train-$m.log.start ] && (cd /root/$m && tar -cf "$OUT/$m.tar" head $(ls report.json loss.png acceptance.png 2>/dev/null))
+  [ /root/$m/head/model.safetensors -nt /tmp/train-$m.log.start ] && (cd /root/$m && tar -cf "$OUT/$m.tar" head $(ls report.json loss.png acceptance.png 2>/dev/null))
 done
 ls -la "$OUT"
