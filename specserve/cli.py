@@ -118,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "further apart than the number of prompts (default: --seed, which also splits the prompts)")
     tr.add_argument("--gen-workers", type=int, default=1,
                     help="engine processes regenerating in parallel on the device (a small target is host-bound)")
+    tr.add_argument("--synthetic-prompts", type=int, default=0, metavar="N",
+                    help="also train on N user messages the target writes itself (sampled from its chat template "
+                         "up to a user turn): general prompts when the prompt files cover few domains")
+    tr.add_argument("--synthetic-temperature", type=float, default=1.0)
+    tr.add_argument("--synthetic-max-tokens", type=int, default=128,
+                    help="longest synthesized message; ones the target has not ended by then are dropped")
+    tr.add_argument("--init-from", default=None, metavar="HEAD",
+                    help="start from an exported head's weights (same method and layers), e.g. to fine-tune a "
+                         "shipped head on more data")
     tr.add_argument("--regenerate-only", action="store_true",
                     help="write the regenerated data (OUT/data.pt) and stop; train from it later with --data")
     tr.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"],
@@ -318,7 +327,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
               "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps",
               "batch_size", "lr", "warmup", "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
-              "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only")
+              "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only",
+              "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens", "init_from")
     try:
         cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
         report = train(cfg)

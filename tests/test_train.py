@@ -212,9 +212,20 @@ def test_data_files_combine_and_must_share_their_held_out_prompts(dirs, tmp_path
                             device="cpu", data=files[:3], steps=2, batch_size=2, eval_max_prompts=1,
                             eval_max_tokens=2))
     assert rep["train_sequences"] == 15
-    with pytest.raises(ValueError, match="held-out prompts differ"):
+    with pytest.raises(ValueError, match="another file holds out"):
         train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=[], out=str(tmp_path / "x"),
                           device="cpu", data=[files[0], files[3]], steps=2))
+    for f in files[:3]:  # files written before data.pt listed its training prompts
+        d = torch.load(f)
+        del d["train_prompts"]
+        torch.save(d, f)
+    with pytest.raises(ValueError, match="held-out prompts differ"):
+        train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=[], out=str(tmp_path / "y"),
+                          device="cpu", data=[files[0], files[3]], steps=2))
+    rep = train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=[], out=str(tmp_path / "h2"),
+                            device="cpu", data=files[:3], steps=1, batch_size=2, eval_max_prompts=1,
+                            eval_max_tokens=2))
+    assert rep["train_sequences"] == 15
     with pytest.raises(ValueError, match="regenerate-only"):
         TrainConfig(target=None, method="mtp", prompts=[], out="o", data=files[0], regenerate_only=True)
 
@@ -342,3 +353,67 @@ def test_resume_with_other_aux_layers_is_refused(dirs, tmp_path):
     with pytest.raises(ValueError, match="same --aux-layers"):
         train(TrainConfig(aux_layers=(0, 3, 6), **base))
 
+
+
+def test_synthesized_prompts_join_training_and_data_files_combine_without_held_out_overlap(dirs, tmp_path):
+    """The target writes user messages from its chat template up to a user turn; the kept ones (ended by the
+    target, unique, not held out) are trained on, listed in data.pt, and that file combines with data of the
+    prompt files' split only when none of its prompts is held out there."""
+    from specserve.tokenizer import Tokenizer
+    from specserve.train.generate import pre_query_ids, synthesize_prompts
+
+    tok = Tokenizer.from_folder(dirs / "target")
+    pre = pre_query_ids(tok)
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}])[:len(pre)] == pre
+    assert tok.decode(pre, skip_special_tokens=False).endswith("<|im_start|>user\n")
+
+    base = dict(target=str(dirs / "target"), method="eagle3", device="cpu", synthetic_temperature=5.0,
+                synthetic_max_tokens=96, gen_max_tokens=4)
+    cfg = TrainConfig(prompts=[], out="unused", synthetic_prompts=16, **base)
+    texts = synthesize_prompts(cfg, set())
+    assert 0 < len(texts) < 16 and len(set(texts)) == len(texts) and all(t == t.strip() and t for t in texts)
+    assert synthesize_prompts(cfg, {texts[0] + "  "}) == texts[1:]  # held-out prompts are never kept
+
+    rep = train(TrainConfig(prompts=[], out=str(tmp_path / "syn"), synthetic_prompts=16, regenerate_only=True, **base))
+    assert rep["regenerated"] == len(texts)
+    syn = torch.load(tmp_path / "syn" / "data.pt")
+    assert syn["train_prompts"] == texts and syn["holdout_prompts"] == []
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [f"Say {i}." for i in range(5)] + texts[:1]))
+    files = {}
+    for seed in range(40):  # a split that holds out texts[0], and one that trains on it
+        out = tmp_path / f"files{seed}"
+        train(TrainConfig(prompts=[str(prompts)], out=str(out), seed=seed, holdout=0.2, regenerate_only=True,
+                          **dict(base, synthetic_prompts=0)))
+        files[texts[0] in torch.load(out / "data.pt")["holdout_prompts"]] = str(out / "data.pt")
+        if len(files) == 2:
+            break
+    common = dict(target=str(dirs / "target"), method="eagle3", prompts=[], device="cpu", steps=1, batch_size=2,
+                  eval_max_prompts=1, eval_max_tokens=2)
+    rep = train(TrainConfig(out=str(tmp_path / "ok"), data=[files[False], str(tmp_path / "syn" / "data.pt")],
+                            **common))
+    assert rep["train_sequences"] == 5 + len(texts)  # six prompts, one held out
+    with pytest.raises(ValueError, match="trained on 1 prompt"):
+        train(TrainConfig(out=str(tmp_path / "bad"), data=[files[True], str(tmp_path / "syn" / "data.pt")], **common))
+
+
+def test_init_from_starts_at_an_exported_heads_weights(dirs, tmp_path):
+    from specserve.loaders import load_model
+    from specserve.train.trainer import init_from_head
+
+    target = load_model(str(dirs / "target"), torch.float32, "cpu").model
+    cfg = TrainConfig(target=None, method="eagle3", prompts=["x"], out="unused", init_from=str(dirs / "eagle3"),
+                      aux_layers=(0, 3, 4))
+    data = [{"prompt_ids": [1, 2], "response_ids": [3]}]
+    head = build_head(cfg, target, data)
+    with pytest.raises(ValueError, match="same --aux-layers"):
+        init_from_head(head, cfg, target, "cpu")
+    cfg.aux_layers = None
+    head = build_head(cfg, target, data)
+    init_from_head(head, cfg, target, "cpu")
+    shipped = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=dict(
+        method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=2)).engine.runner.head
+    assert torch.equal(head.fc.weight, shipped.fc.weight.float()) and head.fc.weight.requires_grad
+    with pytest.raises(ValueError, match="not a head folder"):
+        TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", init_from=str(tmp_path / "none"))

@@ -29,6 +29,7 @@ from specserve.spec.checkpoint import bind_head, save_eagle3_head, save_mtp_head
 from specserve.spec.config import default_eagle3_layers
 from specserve.spec.heads import DraftHead, Eagle3Head, MTPHead
 from specserve.train.attention import DenseCausal, TrainingTimeTest
+from specserve.train.generate import regenerate, synthesize_prompts  # noqa: F401 (regenerate: public here)
 from specserve.train.prompts import read_prompts
 
 log = logging.getLogger("specserve")
@@ -50,6 +51,10 @@ class TrainConfig:
     gen_dtype: str = "auto"
     target_dtype: str = "float32"  # target features in training; bfloat16 also runs the head's matmuls in it
     gen_workers: int = 1  # engine processes sharing the device for regeneration
+    synthetic_prompts: int = 0  # user messages the target writes itself, added to the training prompts
+    synthetic_temperature: float = 1.0
+    synthetic_max_tokens: int = 128  # messages the target has not ended by then are dropped
+    init_from: str | None = None  # start from an exported head's weights (same method and layers) instead of random
     regenerate_only: bool = False  # stop once data.pt is written (train heads from it later with --data)
     max_seq_len: int = 1024
     steps: int = 2000
@@ -76,10 +81,17 @@ class TrainConfig:
             self.data = [self.data]
         if self.method not in ("eagle3", "mtp"):
             raise ValueError(f"--method must be eagle3 or mtp, got {self.method!r}")
-        if not self.prompts and not self.data:
-            raise ValueError("give --prompts FILE [FILE ...] (or --data from an earlier run)")
+        if not self.prompts and not self.data and not self.synthetic_prompts:
+            raise ValueError("give --prompts FILE [FILE ...], --synthetic-prompts N, or --data from an earlier run")
+        if self.synthetic_prompts < 0 or self.synthetic_temperature <= 0:
+            raise ValueError("--synthetic-prompts must be >= 0 and --synthetic-temperature > 0")
+        if self.synthetic_prompts and self.data:
+            raise ValueError("--synthetic-prompts makes new data; it cannot be combined with --data (regenerate "
+                             "with --regenerate-only, then train on every data.pt)")
         if self.aux_layers and self.method != "eagle3":
             raise ValueError("--aux-layers applies to --method eagle3 only")
+        if self.init_from is not None and not Path(self.init_from).is_dir():
+            raise ValueError(f"--init-from {self.init_from}: not a head folder")
         if self.regenerate_only and self.data:
             raise ValueError("--regenerate-only writes new data; it cannot be combined with --data")
         if not 0.0 <= self.holdout < 1.0:
@@ -89,7 +101,8 @@ class TrainConfig:
         for name in ("time_limit", "stop_after"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-        for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers"):
+        for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers",
+                     "synthetic_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -108,66 +121,32 @@ def split_prompts(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     return prompts[n_hold:], prompts[:n_hold]
 
 
-def regenerate(cfg: TrainConfig, prompts: list[str]) -> list[dict]:
-    """Responses of the target to ``prompts`` through specserve's engine (chat template applied).
-
-    With ``gen_workers`` > 1 the prompts are split across that many engine processes sharing the device
-    (the engine's step is host-bound for a small target, so processes add throughput); the result is the
-    same as with one worker, since prompt i is always sampled with seed ``seed + i``.
-    """
-    indexed = list(enumerate(prompts))
-    n = min(cfg.gen_workers, max(1, len(prompts)))
-    if n == 1:
-        rows = _regenerate_shard(cfg, indexed, 0, 1)
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_regenerate_shard, cfg, indexed[w::n], w, n) for w in range(n)]
-            rows = [r for f in futures for r in f.result()]
-    rows.sort(key=lambda r: r[0])
-    return [d for _, d in rows if d is not None]
-
-
-def _regenerate_shard(cfg: TrainConfig, indexed: list[tuple[int, str]], worker: int,
-                      workers: int) -> list[tuple[int, dict | None]]:
-    from specserve import LLM, SamplingParams
-
-    llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192,
-              gpu_memory_utilization=0.8 / workers)
-    tok = llm.tokenizer
-    reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
-    seed = cfg.seed if cfg.gen_seed is None else cfg.gen_seed
-    params = [SamplingParams(temperature=cfg.gen_temperature, max_tokens=cfg.gen_max_tokens, seed=seed + i)
-              for i, _ in indexed]
-    outs = llm.generate(reqs, params, use_tqdm=worker == 0, raise_on_error=False)
-    rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}
-             if o.error is None and o.token_ids else None) for (i, _), o in zip(indexed, outs)]
-    del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return rows
-
-
 def load_data(paths: list[str]) -> dict:
     """Regenerated data of earlier runs (``data.pt`` each), combined: e.g. greedy and sampled responses to
-    the same prompts. The files must share their held-out prompts, or training would see held-out ones."""
-    data: dict | None = None
+    the same prompts, or responses to synthesized prompts. No file may have trained on a prompt that another
+    holds out: a file that lists its training prompts must avoid every held-out prompt; one that does not
+    (older files) must hold out exactly the union of the held-out prompts."""
+    files = []
     for p in paths:
         if not Path(p).is_file():
             raise ValueError(f"--data {p}: no such file")
-        d = torch.load(p)
-        log.info("loaded %d regenerated sequences from %s", len(d["train"]), p)
-        if data is None:
-            data = dict(d, gen_seconds=d.get("gen_seconds") or 0.0)
-            continue
-        if d.get("holdout_prompts") != data.get("holdout_prompts"):
-            raise ValueError(f"--data {p}: its held-out prompts differ from {paths[0]}'s (regenerate with the same "
-                             "prompt files, --holdout and --seed; --gen-seed changes the sampling only)")
-        data["train"] = data["train"] + d["train"]
-        data["gen_seconds"] += d.get("gen_seconds") or 0.0
-    return data
+        files.append(torch.load(p))
+        log.info("loaded %d regenerated sequences from %s", len(files[-1]["train"]), p)
+    held: list[str] = []
+    for d in files:
+        held += [h for h in d.get("holdout_prompts") or [] if h not in held]
+    union = set(held)
+    for p, d in zip(paths, files):
+        if "train_prompts" in d:
+            clash = union.intersection(d["train_prompts"])
+            if clash:
+                raise ValueError(f"--data {p} trained on {len(clash)} prompt(s) another file holds out, e.g. "
+                                 f"{next(iter(clash))[:60]!r}")
+        elif set(d.get("holdout_prompts") or []) != union:
+            raise ValueError(f"--data {p}: its held-out prompts differ from the other files' (regenerate with the "
+                             "same prompt files, --holdout and --seed; --gen-seed changes the sampling only)")
+    return {"train": [s for d in files for s in d["train"]], "holdout_prompts": held,
+            "gen_seconds": sum(d.get("gen_seconds") or 0.0 for d in files)}
 
 
 def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, ...]:
@@ -214,6 +193,24 @@ def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
     head = head.to(next(target.parameters()).device)
     bind_head(head, target)
     return head.train().requires_grad_(True)
+
+
+def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
+    """Copy an exported head's weights into the freshly built ``head`` (fine-tuning a shipped head)."""
+    from specserve.spec.checkpoint import load_draft_head
+    from specserve.spec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method=cfg.method, draft_model=cfg.init_from, mtp_eagle=True if cfg.method == "mtp" else None)
+    src = load_draft_head(spec, target, device, torch.float32)
+    if tuple(src.aux_layers) != tuple(head.aux_layers):
+        raise ValueError(f"--init-from {cfg.init_from} reads target layers {list(src.aux_layers)}, this run "
+                         f"{list(head.aux_layers)}: give the same --aux-layers")
+    try:
+        head.load_state_dict(src.state_dict())
+    except RuntimeError as e:
+        raise ValueError(f"--init-from {cfg.init_from} does not fit this run's head (--draft-vocab?): {e}") from None
+    head.requires_grad_(True)
+    log.info("starting from the weights of %s", cfg.init_from)
 
 
 @torch.no_grad()
@@ -318,8 +315,13 @@ def train(cfg: TrainConfig) -> dict:
     if split_path.is_file():
         split = json.loads(split_path.read_text())
     else:
+        t0 = time.perf_counter()
         train_p, hold_p = split_prompts(cfg) if cfg.prompts else ([], [])
         split = {"train": train_p, "holdout": hold_p}
+        if cfg.synthetic_prompts and not cfg.data:
+            exclude = set(hold_p) | set(read_prompts(cfg.eval_prompts) if cfg.eval_prompts else [])
+            synth = synthesize_prompts(cfg, exclude)
+            split.update(train=train_p + synth, synthetic=len(synth), synth_seconds=time.perf_counter() - t0)
         split_path.write_text(json.dumps(split))
     data_path = out / "data.pt"
     if cfg.data:
@@ -329,8 +331,9 @@ def train(cfg: TrainConfig) -> dict:
         log.info("loaded %d regenerated sequences from %s", len(data["train"]), data_path)
     else:
         t0 = time.perf_counter()
-        data = {"train": regenerate(cfg, split["train"]), "holdout_prompts": split["holdout"]}
-        data["gen_seconds"] = time.perf_counter() - t0
+        data = {"train": regenerate(cfg, split["train"]), "holdout_prompts": split["holdout"],
+                "train_prompts": split["train"]}
+        data["gen_seconds"] = time.perf_counter() - t0 + split.get("synth_seconds", 0.0)
         torch.save(data, data_path)
     seqs = data["train"]
     if cfg.regenerate_only:
@@ -357,6 +360,8 @@ def train(cfg: TrainConfig) -> dict:
         opt.load_state_dict(state["opt"])
         start, history, prior = state["step"], state["history"], state.get("train_seconds", 0.0)
         log.info("resuming from step %d (%.0f s trained)", start, prior)
+    elif cfg.init_from:
+        init_from_head(head, cfg, target, device)
 
     t_call = time.perf_counter()
 

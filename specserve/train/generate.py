@@ -1,0 +1,104 @@
+"""Training data written by the target itself: responses to prompts, and prompts it writes as a user.
+
+``regenerate`` answers prompts (chat template), so the head learns the target's own distribution.
+``synthesize_prompts`` asks the target for user turns: it is given the chat template up to the start of a
+user message and samples the message (the "pre-query template" idea of Magpie, Xu et al. 2024), which gives
+prompts in the domains the target was tuned on when the prompt files cover only a few.
+
+Both run through specserve's engine, sharded over ``gen_workers`` processes sharing the device (the engine's
+step is host-bound for a small target, so processes add throughput). Request i is always sampled with seed
+``base + i``, so the result does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.train.trainer import TrainConfig
+
+log = logging.getLogger("specserve")
+
+RESPOND, ASK = "respond", "ask"
+
+
+def regenerate(cfg: "TrainConfig", prompts: list[str]) -> list[dict]:
+    """Responses of the target to ``prompts`` -> [{"prompt_ids", "response_ids"}] (failed or empty ones dropped)."""
+    return [d for d in _sharded(cfg, prompts, RESPOND) if d is not None]
+
+
+def synthesize_prompts(cfg: "TrainConfig", exclude: set[str]) -> list[str]:
+    """``cfg.synthetic_prompts`` user messages written by the target (temperature ``synthetic_temperature``).
+
+    Kept: messages the target ended itself (end-of-turn within ``synthetic_max_tokens``), non-empty, each once,
+    and none of ``exclude`` (held-out and evaluation prompts, compared after stripping whitespace).
+    """
+    texts = _sharded(cfg, [""] * cfg.synthetic_prompts, ASK)
+    seen = {p.strip() for p in exclude}
+    kept = []
+    for t in texts:
+        if t and t not in seen:
+            seen.add(t)
+            kept.append(t)
+    log.info("synthesized %d prompts (%d asked; unfinished, empty, repeated or held-out ones dropped)",
+             len(kept), cfg.synthetic_prompts)
+    return kept
+
+
+def pre_query_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's text begins (system turn included)."""
+    if not tokenizer.has_chat_template:
+        raise ValueError("--synthetic-prompts needs a target with a chat template")
+    a = tokenizer.apply_chat_template([{"role": "user", "content": "a"}])
+    b = tokenizer.apply_chat_template([{"role": "user", "content": "Z"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def _sharded(cfg: "TrainConfig", items: list[str], kind: str) -> list:
+    indexed = list(enumerate(items))
+    n = min(cfg.gen_workers, max(1, len(items)))
+    if n == 1:
+        rows = _shard(cfg, indexed, 0, 1, kind)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_shard, cfg, indexed[w::n], w, n, kind) for w in range(n)]
+            rows = [r for f in futures for r in f.result()]
+    rows.sort(key=lambda r: r[0])
+    return [d for _, d in rows]
+
+
+def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, workers: int,
+           kind: str) -> list[tuple[int, object]]:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192,
+              gpu_memory_utilization=0.8 / workers)
+    tok = llm.tokenizer
+    seed = cfg.seed if cfg.gen_seed is None else cfg.gen_seed
+    if kind == RESPOND:
+        reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
+        temperature, max_tokens = cfg.gen_temperature, cfg.gen_max_tokens
+    else:
+        reqs = [{"prompt_token_ids": pre_query_ids(tok)}] * len(indexed)
+        temperature, max_tokens = cfg.synthetic_temperature, cfg.synthetic_max_tokens
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i, _ in indexed]
+    outs = llm.generate(reqs, params, use_tqdm=worker == 0, raise_on_error=False)
+    if kind == RESPOND:
+        rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}
+                 if o.error is None and o.token_ids else None) for (i, _), o in zip(indexed, outs)]
+    else:
+        rows = [(i, o.text.strip() if o.error is None and o.finish_reason == "stop" else None)
+                for (i, _), o in zip(indexed, outs)]
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
