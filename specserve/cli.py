@@ -213,8 +213,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="throughput and latency, speculation on/off, optionally against transformers",
-                       description="Generates exactly --max-tokens tokens per request (EOS ignored) for each batch "
-                                   "size, warmed up, median of --repeats; prints a table and writes bench.json, "
+                       description="Generates up to --max-tokens tokens per request (exactly that many with "
+                                   "--ignore-eos) for each batch size, warmed up, median of --repeats; prints a "
+                                   "table and writes bench.json, "
                                    "bench.md and bench.png under --out.")
     b.add_argument("--model", default=None,
                    help="HF folder, .gguf, or random:llama-3.1-8b / random:smollm2-135m (random weights of those "
@@ -225,6 +226,8 @@ def _bench_parser(sub) -> None:
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="requests submitted together")
     b.add_argument("--max-tokens", type=int, default=256)
+    b.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly --max-tokens per request (default: stop at end of sequence, as users do)")
     b.add_argument("--speculative", default="both", choices=["on", "off", "both"])
     b.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"])
     b.add_argument("--draft", default=None, help="head folder, or 'random' (timing only; use --forced-acceptance)")
@@ -252,7 +255,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(model=a.model, prompts=a.prompts, random_input_len=a.random_input_len,
                           num_prompts=a.num_prompts, batch_sizes=a.batch_size, max_tokens=a.max_tokens,
-                          speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
+                          ignore_eos=a.ignore_eos, speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           compare=a.compare, enforce_eager=a.enforce_eager, kv_cache_memory_bytes=a.kv_cache_memory,
                           out=None)

@@ -50,11 +50,24 @@ def test_bench_rows_ratios_and_outputs(dirs, tmp_path):
     assert rows[("specserve", True, 1)]["first_tokens"] == rows[("specserve", False, 1)]["first_tokens"] \
         == rows[("transformers", False, 1)]["first_tokens"]
     assert "specserve / transformers @ batch 3" in res["ratios"]
+    # both engines stop at the same place (max tokens or end of sequence) and count the same tokens
+    assert rows[("specserve", False, 3)]["new_tokens"] == rows[("transformers", False, 3)]["new_tokens"]
+
+
+def test_generated_count_stops_each_row_at_its_first_end_of_sequence():
+    import torch
+
+    from specserve.bench.run import generated_count
+
+    new = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 9, 0]])
+    assert generated_count(new, (2,)) == 2 + 4 + 1
+    assert generated_count(new, (7, 9)) == 4 + 3 + 3
+    assert generated_count(new, ()) == 12
 
 
 def test_bench_random_prompts_and_random_model():
     res = run_bench(BenchConfig(model="random:smollm2-135m", batch_sizes=[2], max_tokens=4, repeats=1,
-                                speculative="on", draft="random", forced_acceptance=1.5, num_prompts=2,
+                                ignore_eos=True, speculative="on", draft="random", forced_acceptance=1.5, num_prompts=2,
                                 device="cpu", dtype="float32"))
     (row,) = res["rows"]
     assert row["speculative"] and row["new_tokens"] == 4

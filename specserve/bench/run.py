@@ -1,7 +1,8 @@
 """The benchmark driver: prompts -> (configuration x batch size) runs -> rows of figures -> JSON, markdown, PNG.
 
-Every run generates exactly ``max_tokens`` new tokens per request (EOS ignored) for max(batch, prompts)
-requests submitted together, at most ``batch`` of them in flight (offline, continuous batching with
+Every run generates up to ``max_tokens`` new tokens per request (exactly that many with ``ignore_eos``, as
+vLLM's benchmarks spell it; otherwise each request stops at its end-of-sequence token, as a user's would, and
+tokens/s counts the tokens generated) for max(batch, prompts) requests submitted together, at most ``batch`` of them in flight (offline, continuous batching with
 ``max_num_seqs = batch``): batch 1 runs every prompt one after another, so acceptance figures cover the whole
 prompt set whatever the batch size. transformers runs the same requests in static batches of ``batch``. Each configuration is
 warmed up once per batch size (CUDA-graph capture, Triton compilation, allocator growth), then timed
@@ -30,6 +31,7 @@ class BenchConfig:
     num_prompts: int = 64
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     max_tokens: int = 256
+    ignore_eos: bool = False  # True: every request generates exactly max_tokens
     speculative: str = "both"  # on | off | both
     method: str = "eagle3"
     draft: str | None = None  # head folder, "random", or None: the shipped head for the default model
@@ -134,7 +136,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
     if eng.head is not None:
         shared = {id(p) for p in eng.model.parameters()}
         head_bytes = weight_bytes(eng.head, shared)
-    sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
     rows = []
     for b in cfg.batch_sizes:
         batch = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(max(b, len(prompt_ids)))]
@@ -159,7 +161,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
                 if o.timings().get("ttft_s") is not None and o.timings().get("queue_s") is not None]
         tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
         n_tok = sum(len(o.token_ids) for o in outs)
-        row = dict(engine="specserve", speculative=spec, batch=b, requests=len(batch), new_tokens=cfg.max_tokens,
+        row = dict(engine="specserve", speculative=spec, batch=b, requests=len(batch),
+                   new_tokens=round(n_tok / len(outs), 1),
                    seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
                    steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
                    ttft_ms={p: _pct(ttft, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
@@ -180,8 +183,9 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
     return rows
 
 
-def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> list[dict]:
-    """transformers ``generate`` (greedy, same prompts and new-token count); ``compiled``: a static KV cache,
+def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool, eos: tuple[int, ...]) -> list[dict]:
+    """transformers ``generate`` (greedy, same prompts, same stopping: ``max_tokens``, and the end-of-sequence
+    tokens ``eos`` unless ``ignore_eos``); ``compiled``: a static KV cache,
     with which ``generate`` compiles the decoding forward itself (transformers' automatic compilation of a
     compileable cache; its own ``compile_config`` defaults)."""
     from transformers import AutoModelForCausalLM
@@ -210,7 +214,8 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> l
             for inp, mask in parts:
                 with torch.no_grad():
                     outs.append(gen(input_ids=inp, attention_mask=mask, max_new_tokens=cfg.max_tokens,
-                                               min_new_tokens=cfg.max_tokens, do_sample=False, pad_token_id=0))
+                                    min_new_tokens=cfg.max_tokens if cfg.ignore_eos else None,
+                                    eos_token_id=list(eos), do_sample=False, pad_token_id=0))
             return outs
 
         run(chunks[:1])  # warm-up (compilation for the static-cache variant)
@@ -222,13 +227,25 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool) -> l
             _sync(dev)
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)
+        n_tok = sum(generated_count(o[:, inp.shape[1]:], () if cfg.ignore_eos else eos)
+                    for o, (inp, _) in zip(outs, chunks))
         width = chunks[0][0].shape[1]
-        rows.append(dict(engine=name, speculative=False, batch=b, requests=len(reqs), new_tokens=cfg.max_tokens,
-                         seconds=med, all_seconds=times, tokens_per_s=len(reqs) * cfg.max_tokens / med,
-                         first_tokens=outs[0][0, width:width + 16].tolist()))
+        rows.append(dict(engine=name, speculative=False, batch=b, requests=len(reqs),
+                         new_tokens=round(n_tok / len(reqs), 1), seconds=med, all_seconds=times,
+                         tokens_per_s=n_tok / med, first_tokens=outs[0][0, width:width + 16].tolist()))
         log.info("%s batch=%d: %.1f tok/s", name, b, rows[-1]["tokens_per_s"])
     del model
     return rows
+
+
+def generated_count(new: torch.Tensor, eos: tuple[int, ...]) -> int:
+    """new [B, N]: tokens generate() appended -> tokens generated per row up to and including its first
+    end-of-sequence token (a finished row is padded while the others go on), summed."""
+    if not eos or new.shape[1] == 0:
+        return new.numel()
+    hit = torch.isin(new, torch.tensor(list(eos), device=new.device))  # [B, N]
+    first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full_like(hit[:, 0], new.shape[1], dtype=torch.long))
+    return int(first.sum())
 
 
 def left_padded(ids: list[list[int]], dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +291,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     extras: dict = {}
     for c in cfg.compare:
         try:
-            rows += bench_hf(cfg, prompt_ids, compiled=c == "hf-compile")
+            rows += bench_hf(cfg, prompt_ids, compiled=c == "hf-compile", eos=tuple(mcfg.eos_token_ids))
         except Exception as e:  # a baseline that cannot run is reported, not fatal
             log.warning("%s baseline failed: %s", c, e)
             extras[f"{c}_error"] = f"{type(e).__name__}: {e}"

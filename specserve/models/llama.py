@@ -115,8 +115,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
+        return self.lm_logits(hidden).float()
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in the weights' dtype."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        return torch.nn.functional.linear(hidden, w)
 
     # ----------------------------------------------------------------------------------------------
     # weight loading

@@ -78,6 +78,11 @@ class DraftHead(nn.Module):
 
     def logits(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [..., H] -> logits over the head's vocabulary [..., V'] (float32)."""
+        return self.raw_logits(step, out).float()
+
+    def raw_logits(self, step: int, out: torch.Tensor) -> torch.Tensor:
+        """out [..., H] -> logits over the head's vocabulary [..., V'] in the compute dtype (argmax needs no
+        float32 copy: converting is exact, so the argmax is the same)."""
         raise NotImplementedError
 
     def vocab_ids(self) -> torch.Tensor | None:
@@ -86,7 +91,7 @@ class DraftHead(nn.Module):
 
     def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
-        return self.logits(step, out).argmax(dim=-1)
+        return self.raw_logits(step, out).argmax(dim=-1)
 
     def kv_layer(self, step: int) -> int:
         return 0
@@ -174,9 +179,9 @@ class Eagle3Head(DraftHead):
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.midlayer(self.embed(ids), hidden, positions, meta, *kv)
 
-    def logits(self, step, out):
+    def raw_logits(self, step, out):
         x = self.norm(out)
-        return self.target.compute_logits(x) if self.lm_head is None else self.lm_head(x).float()
+        return self.target.lm_logits(x) if self.lm_head is None else self.lm_head(x)
 
     def vocab_ids(self):
         if self.lm_head is None:
@@ -184,8 +189,15 @@ class Eagle3Head(DraftHead):
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def draft_ids(self, step, out):
-        d = self.logits(step, out).argmax(dim=-1)
-        return d if self.lm_head is None else d + self.d2t[d]
+        d = self.raw_logits(step, out).argmax(dim=-1)
+        if self.lm_head is None:
+            return d
+        # one gather through a draft id -> target id table, made once per d2t tensor (before any graph capture:
+        # the first step runs eagerly); d2t is replaced, not edited in place, when a head is loaded
+        key = (self.d2t.data_ptr(), self.d2t.device)
+        if getattr(self, "_t_ids_key", None) != key:
+            self._t_ids, self._t_ids_key = self.vocab_ids(), key
+        return self._t_ids[d]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,10 +248,10 @@ class MTPHead(DraftHead):
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.module(step)(self.embed(ids), hidden, positions, meta, *kv)
 
-    def logits(self, step, out):
+    def raw_logits(self, step, out):
         mod = self.module(step)
         x = mod.shared_head_norm(out)
-        return self.target.compute_logits(x) if mod.shared_head_head is None else mod.shared_head_head(x).float()
+        return self.target.lm_logits(x) if mod.shared_head_head is None else mod.shared_head_head(x)
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         if self.eagle:
