@@ -2,8 +2,9 @@
 # Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
-#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4]
-# Stage limits (s): tests 240, default 200, throughput 120, scale 200, attention 230, spec16 180, hf4 200.
+#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile]
+# Stage limits (s): tests 240, default 200, throughput 120, scale 200, attention 230, spec16 180, hf4 200,
+# profile 150.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -31,6 +32,12 @@ for st in $stages; do
              --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
     hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 4 --repeats 2 --compare hf hf-compile --out $OUT/hf4 2>&1 | quiet | tail -16 ;;
+    profile) mkdir -p $OUT/profile
+             timeout 90 python3 benchmarks/profile_step.py --model random:llama-3.1-8b --draft random \
+               --forced-acceptance ${FORCED:-1.64} --context 512 --kv-cache-memory 24000000000 \
+               --json $OUT/profile/scale-spec.json 2>&1 | quiet | tail -28
+             timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
+               --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
     scale) timeout 200 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
              --forced-acceptance ${FORCED:-1.64} --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
              --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;

@@ -1,0 +1,92 @@
+"""Where a generation step's GPU time goes: kernel by kernel, from an eager profile (CUDA only).
+
+The engine runs eagerly (``enforce_eager``) under ``torch.profiler`` for ``--steps`` generation steps at batch
+``--batch`` and context ``--context``; kernels are grouped by name and reported per step (count, microseconds).
+The sum is the device's busy time per step: a CUDA-graph replay of the same step costs that plus the gaps
+between kernels, so comparing it with ``specserve bench --steps`` separates slow kernels from many kernels.
+
+    python benchmarks/profile_step.py --model random:llama-3.1-8b --draft random --forced-acceptance 1.64 \\
+        --context 512 --json prof.json
+    python benchmarks/profile_step.py --model /root/model.gguf --draft specserve/heads/smollm2-135m-eagle3
+    python benchmarks/profile_step.py --model /root/model.gguf --no-spec
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+
+def profile(llm, batch: int, context: int, steps: int, warmup: int = 5) -> dict:
+    from specserve import SamplingParams
+
+    eng = llm.engine
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    vocab = eng.model_config.vocab_size
+    for _ in range(batch):
+        eng.add_request(torch.randint(10, vocab, (context,), generator=g).tolist(), sp)
+    reqs = list(eng.requests.values())
+    while not all(r.num_output_tokens >= 2 for r in reqs):  # prefill (and the first drafts)
+        eng.step()
+    for _ in range(warmup):
+        eng.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        per[e.name][0] += 1
+        per[e.name][1] += e.time_range.elapsed_us()
+    rows = sorted(((n, c / steps, us / steps) for n, (c, us) in per.items()), key=lambda r: -r[2])
+    for r in list(eng.requests):
+        eng.abort_request(r)
+    return {"batch": batch, "context": context, "steps": steps,
+            "kernels_per_step": sum(r[1] for r in rows), "busy_us_per_step": sum(r[2] for r in rows),
+            "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows]}
+
+
+def main() -> None:
+    from specserve import LLM
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default=None, help="head folder or 'random'")
+    ap.add_argument("--method", default="eagle3")
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--forced-acceptance", type=float, default=None)
+    ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--kv-cache-memory", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    spec = None
+    if not a.no_spec:
+        spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len)
+        if a.forced_acceptance is not None:
+            spec["forced_acceptance"] = a.forced_acceptance
+    kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
+    llm = LLM(a.model, enforce_eager=True, speculative_config=spec, max_num_seqs=a.batch,
+              max_num_batched_tokens=max(2048, a.context + 1), **kw)
+    res = profile(llm, a.batch, a.context, a.steps)
+    print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
+          f"(batch {a.batch}, context {a.context}, {'no speculation' if a.no_spec else f'D = {a.draft_len}'})")
+    for k in res["kernels"][:a.top]:
+        print(f"{k['us']:9.1f} us  x{k['count']:5.1f}  {k['name'][:110]}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
