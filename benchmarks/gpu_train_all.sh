@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Trains both shipped heads for the default model on the GPU machine (model at /root/model.gguf).
 #   bash benchmarks/gpu_train_all.sh regen NAME [train-draft args...]  # responses -> /root/regen-NAME/data.pt
+#   NOFILES=1 bash benchmarks/gpu_train_all.sh regen syn --synthetic-prompts 24000 --gen-workers 8
+#     # prompts the target writes itself, without the prompt files (their held-out split stays in the other files)
 #   [METHODS=eagle3] DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]
 #     # EAGLE-3 and MTP-Eagle (or METHODS only) side by side from the regenerated data files
 # Training longer than one call: pass --time-limit TOTAL --stop-after PER_CALL and repeat the same command
@@ -15,6 +17,7 @@ OUT=${OUT:-/tmp/out}
 prompts=(--prompts .traindata/gpteacher-codegen-instruct.json .traindata/gpteacher-roleplay-instruct.json
          .traindata/gpteacher-toolformer-instruct.json
          --eval-prompts .traindata/HumanEval.jsonl.gz .traindata/alpaca-seed-tasks.jsonl)
+[ -n "${NOFILES:-}" ] && prompts=("${prompts[@]:4}")  # --eval-prompts only
 filter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }
 if [ "$mode" = regen ]; then
   case ${1:-} in ""|-*) echo "usage: gpu_train_all.sh regen NAME [train-draft args...]" >&2; exit 2 ;; esac
