@@ -10,6 +10,7 @@ import torch
 
 from specserve.kernels import use_triton
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
+from specserve.kernels.argmax import CHUNK, argmax_lastdim
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.norm import rms_norm, rms_norm_ref
@@ -139,7 +140,26 @@ def check_greedy_accept(device, dtype):
         assert int(ref_acc.max()) == d or d > 4, "the check should reach full acceptance"
 
 
-CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept]
+@kernel_check
+def check_argmax(device, dtype):
+    """Exact, ties included: the lowest index of the maximum, within a chunk and across chunks."""
+    g = torch.Generator().manual_seed(5)
+    for rows, v in ((1, 49152), (5, 128256), (7, CHUNK), (3, 1000), (64, 32000)):
+        x = torch.randn(rows, v, generator=g).to(dtype)
+        x[0, v // 3] = x[0, v - 1] = 50.0  # a tie across chunks: the first one wins
+        if rows > 2:
+            x[1, 7] = x[1, 8] = 50.0  # a tie inside a chunk
+            x[2] = float("-inf")  # nothing finite: index 0, like torch
+        x = x.to(device)
+        got = argmax_lastdim(x)
+        ref = x.float().cpu().argmax(dim=-1).to(device)
+        assert torch.equal(got, ref), f"argmax {rows}x{v} {dtype}"
+        assert int(got[0]) == v // 3
+    x = torch.randn(2, 5, 3000, generator=g).to(device=device, dtype=dtype)  # leading dims
+    assert torch.equal(argmax_lastdim(x), x.argmax(dim=-1))
+
+
+CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

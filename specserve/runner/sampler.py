@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels.argmax import argmax_lastdim
+
 _M32 = 0xFFFFFFFF
 
 
@@ -74,7 +76,7 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [S, V] float32 -> token ids [S] int64."""
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax_lastdim(logits)
     if t.all_greedy:
         return greedy
     scores = processed_logits(logits, t)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.accept import accepted_prefix, emit, greedy_accept
+from specserve.kernels.argmax import argmax_lastdim
 from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 
 _ACCEPT_SALT = 0x5BD1E995  # keeps acceptance draws independent of the sampling noise at the same index
@@ -83,7 +84,7 @@ def accept(
     """
     b, d1, v = logits.shape
     d = d1 - 1
-    argmax = logits.argmax(dim=-1)  # [B, D+1]: also the argmax of every processed distribution
+    argmax = argmax_lastdim(logits)  # [B, D+1]: also the argmax of every processed distribution
     rows = torch.arange(b, device=logits.device)
     if a.simple_greedy:
         if forced is None:

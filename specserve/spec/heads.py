@@ -18,6 +18,7 @@ from torch import nn
 
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.config import ModelConfig
+from specserve.kernels.argmax import argmax_lastdim
 from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from specserve.models.llama import Attention, DecoderLayer
@@ -91,7 +92,7 @@ class DraftHead(nn.Module):
 
     def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
-        return self.raw_logits(step, out).argmax(dim=-1)
+        return argmax_lastdim(self.raw_logits(step, out))
 
     def kv_layer(self, step: int) -> int:
         return 0
@@ -189,7 +190,7 @@ class Eagle3Head(DraftHead):
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def draft_ids(self, step, out):
-        d = self.raw_logits(step, out).argmax(dim=-1)
+        d = argmax_lastdim(self.raw_logits(step, out))
         if self.lm_head is None:
             return d
         # one gather through a draft id -> target id table, made once per d2t tensor (before any graph capture:

@@ -1,0 +1,62 @@
+"""Argmax over a vocabulary-sized last dimension in two short kernels.
+
+A generation step takes an argmax over the vocabulary for every verified position and every draft step. With
+few rows, PyTorch's reduction runs a single block per row over the whole vocabulary (measured on the H200:
+about 13 µs for one row of 49,152 logits, five times per speculative step of the default model). Here the
+first kernel reduces chunks of ``CHUNK`` columns in parallel, the second picks the best chunk per row. Ties go
+to the lowest index, as ``torch.argmax`` documents, so both paths pick the same token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+CHUNK = 2048  # columns per program of the first kernel
+MAX_CHUNKS = 1024  # past this many chunks per row the second kernel's tile grows too big: use PyTorch
+
+
+def argmax_lastdim(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] (float32 / bfloat16 / float16) -> index of the largest entry per row [...] int64."""
+    v = x.shape[-1]
+    n_chunks = triton.cdiv(v, CHUNK) if triton is not None else 0
+    if not use_triton(x) or x.numel() == 0 or n_chunks > MAX_CHUNKS or not x.is_floating_point():
+        return x.argmax(dim=-1)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, v)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    part_v = torch.empty(n, n_chunks, dtype=torch.float32, device=x.device)
+    part_i = torch.empty(n, n_chunks, dtype=torch.int64, device=x.device)
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK)
+    _argmax_pick[(n,)](part_v, part_i, out, n_chunks, BLOCK=triton.next_power_of_2(n_chunks))
+    return out.view(lead)
+
+
+if triton is not None:
+    @triton.jit
+    def _argmax_chunks(X, PV, PI, V, s_x, NC, CHUNK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(X + row * s_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        best, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(PV + row * NC + c, best)
+        tl.store(PI + row * NC + c, (c * CHUNK + at).to(tl.int64))
+
+    @triton.jit
+    def _argmax_pick(PV, PI, OUT, NC, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        k = tl.arange(0, BLOCK)
+        pv = tl.load(PV + row * NC + k, mask=k < NC, other=float("-inf"))
+        _, at = tl.max(pv, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(OUT + row, tl.load(PI + row * NC + at))
