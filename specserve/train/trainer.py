@@ -132,10 +132,13 @@ def load_data(paths: list[str]) -> dict:
             raise ValueError(f"--data {p}: no such file")
         files.append(torch.load(p))
         log.info("loaded %d regenerated sequences from %s", len(files[-1]["train"]), p)
-    held: list[str] = []
+    held: list[str] = []  # every file's held-out prompts, once each, in order
+    union: set[str] = set()
     for d in files:
-        held += [h for h in d.get("holdout_prompts") or [] if h not in held]
-    union = set(held)
+        for h in d.get("holdout_prompts") or []:
+            if h not in union:
+                union.add(h)
+                held.append(h)
     for p, d in zip(paths, files):
         if "train_prompts" in d:
             clash = union.intersection(d["train_prompts"])
