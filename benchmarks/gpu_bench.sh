@@ -3,8 +3,8 @@
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile]
-# Stage limits (s): tests 240, default 200, throughput 120, scale 200, attention 230, spec16 180, hf4 200,
-# profile 150.
+# Stage limits (s): tests 240, default 200, throughput 120, scale 300, attention 230, spec16 180, hf4 200,
+# profile 150. (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -38,8 +38,8 @@ for st in $stages; do
                --json $OUT/profile/scale-spec.json 2>&1 | quiet | tail -28
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
-    scale) timeout 200 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
-             --forced-acceptance ${FORCED:-1.64} --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
+    scale) timeout 300 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
+             --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
              --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;
   esac
 done
