@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--gen-max-tokens", type=int, default=256, help="max tokens of each regenerated response")
     tr.add_argument("--gen-temperature", type=float, default=0.0, help="temperature of the regenerated responses")
     tr.add_argument("--gen-seed", type=int, default=None,
-                    help="sampling seed of the regenerated responses: prompt i uses seed N + i, so give runs seeds "
-                         "further apart than the number of prompts (default: --seed, which also splits the prompts)")
+                    help="sampling seed of the regenerated responses (and of --synthetic-prompts): request i uses "
+                         "seed N + i, so give runs seeds further apart than the number of prompts (default: --seed, "
+                         "which also splits the prompts)")
     tr.add_argument("--gen-workers", type=int, default=1,
                     help="engine processes regenerating in parallel on the device (a small target is host-bound)")
     tr.add_argument("--synthetic-prompts", type=int, default=0, metavar="N",

@@ -360,10 +360,11 @@ def test_synthesized_prompts_join_training_and_data_files_combine_without_held_o
     target, unique, not held out) are trained on, listed in data.pt, and that file combines with data of the
     prompt files' split only when none of its prompts is held out there."""
     from specserve.tokenizer import Tokenizer
-    from specserve.train.generate import pre_query_ids, synthesize_prompts
+    from specserve.train.generate import end_of_turn_ids, pre_query_ids, synthesize_prompts
 
     tok = Tokenizer.from_folder(dirs / "target")
     pre = pre_query_ids(tok)
+    assert tok.decode(end_of_turn_ids(tok), skip_special_tokens=False) == "<|im_end|>"
     assert tok.apply_chat_template([{"role": "user", "content": "hello"}])[:len(pre)] == pre
     assert tok.decode(pre, skip_special_tokens=False).endswith("<|im_start|>user\n")
 
@@ -415,5 +416,16 @@ def test_init_from_starts_at_an_exported_heads_weights(dirs, tmp_path):
     shipped = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=dict(
         method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=2)).engine.runner.head
     assert torch.equal(head.fc.weight, shipped.fc.weight.float()) and head.fc.weight.requires_grad
+    # the same mismatches, found from config.json before any regeneration
+    from specserve.loaders import load_config
+    from specserve.train.trainer import check_init_from
+
+    tcfg = load_config(str(dirs / "target"))
+    check_init_from(cfg, tcfg)
+    for over, msg in ((dict(aux_layers=(0, 3, 4)), "same --aux-layers"), (dict(draft_vocab=50), "--draft-vocab 0"),
+                      (dict(method="mtp"), "not an mtp head")):
+        with pytest.raises(ValueError, match=msg):
+            check_init_from(TrainConfig(**{**dict(target=None, method="eagle3", prompts=["x"], out="unused",
+                                                  init_from=str(dirs / "eagle3")), **over}), tcfg)
     with pytest.raises(ValueError, match="not a head folder"):
         TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", init_from=str(tmp_path / "none"))

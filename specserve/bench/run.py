@@ -285,13 +285,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     dev = resolve_device(cfg.device)
     mcfg = load_config(cfg.model)
     rows: list[dict] = []
-    prompt_ids = _prompts_for(cfg, mcfg)
+    prompt_ids, tok = _prompts_for(cfg, mcfg)
+    eos = mcfg.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())  # as the engine
     for spec in {"on": [True], "off": [False], "both": [False, True]}[cfg.speculative]:
         rows += bench_specserve(cfg, prompt_ids, spec)
     extras: dict = {}
     for c in cfg.compare:
         try:
-            rows += bench_hf(cfg, prompt_ids, compiled=c == "hf-compile", eos=tuple(mcfg.eos_token_ids))
+            rows += bench_hf(cfg, prompt_ids, compiled=c == "hf-compile", eos=tuple(eos))
         except Exception as e:  # a baseline that cannot run is reported, not fatal
             log.warning("%s baseline failed: %s", c, e)
             extras[f"{c}_error"] = f"{type(e).__name__}: {e}"
@@ -307,7 +308,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     return result
 
 
-def _prompts_for(cfg: BenchConfig, mcfg) -> list[list[int]]:
+def _prompts_for(cfg: BenchConfig, mcfg):
+    """-> (prompt token ids, the model's tokenizer)."""
     from specserve.loaders import resolve_model_path
     from specserve.loaders.random_model import is_random_ref, word_tokenizer
     from specserve.tokenizer import Tokenizer
@@ -317,7 +319,7 @@ def _prompts_for(cfg: BenchConfig, mcfg) -> list[list[int]]:
     else:
         path = resolve_model_path(cfg.model)
         tok = Tokenizer.from_gguf(path) if path.is_file() else Tokenizer.from_folder(path)
-    return load_prompt_ids(cfg, tok, mcfg.vocab_size)
+    return load_prompt_ids(cfg, tok, mcfg.vocab_size), tok
 
 
 def _device_name(dev: torch.device) -> str:

@@ -21,13 +21,14 @@ except ImportError:
 
 CHUNK = 2048  # columns per program of the first kernel
 MAX_CHUNKS = 1024  # past this many chunks per row the second kernel's tile grows too big: use PyTorch
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared in float32 exactly (float64 would not be)
 
 
 def argmax_lastdim(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] (float32 / bfloat16 / float16) -> index of the largest entry per row [...] int64."""
     v = x.shape[-1]
     n_chunks = triton.cdiv(v, CHUNK) if triton is not None else 0
-    if not use_triton(x) or x.numel() == 0 or n_chunks > MAX_CHUNKS or not x.is_floating_point():
+    if not use_triton(x) or x.numel() == 0 or n_chunks > MAX_CHUNKS or x.dtype not in _DTYPES:
         return x.argmax(dim=-1)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, v)

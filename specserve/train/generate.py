@@ -50,6 +50,16 @@ def synthesize_prompts(cfg: "TrainConfig", exclude: set[str]) -> list[str]:
 
 def pre_query_ids(tokenizer) -> list[int]:
     """Token ids of the chat template up to where a user message's text begins (system turn included)."""
+    return _user_turn(tokenizer)[0]
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token that closes a user message in the template ([] when it is not one token): it ends a
+    synthesized message even when the model's end-of-sequence token is another one."""
+    return _user_turn(tokenizer)[1]
+
+
+def _user_turn(tokenizer) -> tuple[list[int], list[int]]:
     if not tokenizer.has_chat_template:
         raise ValueError("--synthetic-prompts needs a target with a chat template")
     a = tokenizer.apply_chat_template([{"role": "user", "content": "a"}])
@@ -57,7 +67,10 @@ def pre_query_ids(tokenizer) -> list[int]:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
-    return a[:n]
+    end = a[n + 1:n + 2]  # the token after the one-token content
+    special = end and tokenizer.decode(end, skip_special_tokens=True) == "" and \
+        tokenizer.decode(end, skip_special_tokens=False) != ""
+    return a[:n], (end if special else [])
 
 
 def _sharded(cfg: "TrainConfig", items: list[str], kind: str) -> list:
@@ -84,13 +97,15 @@ def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, work
               gpu_memory_utilization=0.8 / workers)
     tok = llm.tokenizer
     seed = cfg.seed if cfg.gen_seed is None else cfg.gen_seed
+    stop: list[int] = []
     if kind == RESPOND:
         reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
         temperature, max_tokens = cfg.gen_temperature, cfg.gen_max_tokens
     else:
         reqs = [{"prompt_token_ids": pre_query_ids(tok)}] * len(indexed)
-        temperature, max_tokens = cfg.synthetic_temperature, cfg.synthetic_max_tokens
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i, _ in indexed]
+        temperature, max_tokens, stop = cfg.synthetic_temperature, cfg.synthetic_max_tokens, end_of_turn_ids(tok)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop_token_ids=stop)
+              for i, _ in indexed]
     outs = llm.generate(reqs, params, use_tqdm=worker == 0, raise_on_error=False)
     if kind == RESPOND:
         rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}

@@ -136,16 +136,16 @@ def load_data(paths: list[str]) -> dict:
     union: set[str] = set()
     for d in files:
         for h in d.get("holdout_prompts") or []:
-            if h not in union:
-                union.add(h)
+            if h.strip() not in union:
+                union.add(h.strip())
                 held.append(h)
     for p, d in zip(paths, files):
         if "train_prompts" in d:
-            clash = union.intersection(d["train_prompts"])
+            clash = union.intersection(p.strip() for p in d["train_prompts"])
             if clash:
                 raise ValueError(f"--data {p} trained on {len(clash)} prompt(s) another file holds out, e.g. "
                                  f"{next(iter(clash))[:60]!r}")
-        elif set(d.get("holdout_prompts") or []) != union:
+        elif {h.strip() for h in d.get("holdout_prompts") or []} != union:
             raise ValueError(f"--data {p}: its held-out prompts differ from the other files' (regenerate with the "
                              "same prompt files, --holdout and --seed; --gen-seed changes the sampling only)")
     return {"train": [s for d in files for s in d["train"]], "holdout_prompts": held,
@@ -198,6 +198,26 @@ def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
     return head.train().requires_grad_(True)
 
 
+def check_init_from(cfg: TrainConfig, tcfg) -> None:
+    """What ``init_from_head`` would refuse, read from the head's config.json alone (before any regeneration)."""
+    raw = json.loads((Path(cfg.init_from) / "config.json").read_text()) \
+        if (Path(cfg.init_from) / "config.json").is_file() else {}
+    is_eagle3 = "eagle_config" in raw or any("Eagle3" in a for a in raw.get("architectures", []))
+    if (cfg.method == "eagle3") != is_eagle3:
+        raise ValueError(f"--init-from {cfg.init_from} is not an {cfg.method} head")
+    if cfg.method != "eagle3":
+        return
+    ids = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and tuple(i - 1 for i in ids) != eagle3_layers(cfg, tcfg.num_hidden_layers):
+        raise ValueError(f"--init-from {cfg.init_from} reads target layers {[i - 1 for i in ids]}, this run "
+                         f"{list(eagle3_layers(cfg, tcfg.num_hidden_layers))}: give the same --aux-layers")
+    dv = raw.get("draft_vocab_size", tcfg.vocab_size)
+    want = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
+    if dv != want:
+        raise ValueError(f"--init-from {cfg.init_from} drafts over {dv} tokens, this run over {want}: "
+                         f"give --draft-vocab {dv if dv < tcfg.vocab_size else 0}")
+
+
 def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
     """Copy an exported head's weights into the freshly built ``head`` (fine-tuning a shipped head)."""
     from specserve.spec.checkpoint import load_draft_head
@@ -211,7 +231,8 @@ def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
     try:
         head.load_state_dict(src.state_dict())
     except RuntimeError as e:
-        raise ValueError(f"--init-from {cfg.init_from} does not fit this run's head (--draft-vocab?): {e}") from None
+        raise ValueError(f"--init-from {cfg.init_from} does not fit this run's head (its vocabulary, embedding or "
+                         f"lm_head differ; see --draft-vocab): {e}") from None
     head.requires_grad_(True)
     log.info("starting from the weights of %s", cfg.init_from)
 
@@ -303,10 +324,13 @@ def _save_checkpoint(path: Path, head: DraftHead, opt, next_step: int, history: 
 def train(cfg: TrainConfig) -> dict:
     from tqdm import tqdm
 
-    if cfg.aux_layers and not cfg.regenerate_only:  # checked before a regeneration that may take long
+    if (cfg.aux_layers or cfg.init_from) and not cfg.regenerate_only:  # checked before a long regeneration
         from specserve.loaders import load_config
 
-        eagle3_layers(cfg, load_config(cfg.target).num_hidden_layers)
+        tcfg = load_config(cfg.target)
+        eagle3_layers(cfg, tcfg.num_hidden_layers)
+        if cfg.init_from:
+            check_init_from(cfg, tcfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -317,6 +341,10 @@ def train(cfg: TrainConfig) -> dict:
     split_path = out / "prompts_split.json"
     if split_path.is_file():
         split = json.loads(split_path.read_text())
+        asked = split.get("synthetic_asked", 0)
+        if not cfg.data and cfg.synthetic_prompts != asked:
+            raise ValueError(f"{split_path} was made with --synthetic-prompts {asked}, not {cfg.synthetic_prompts}: "
+                             "resume with the same options, or use another --out")
     else:
         t0 = time.perf_counter()
         train_p, hold_p = split_prompts(cfg) if cfg.prompts else ([], [])
@@ -324,7 +352,8 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.synthetic_prompts and not cfg.data:
             exclude = set(hold_p) | set(read_prompts(cfg.eval_prompts) if cfg.eval_prompts else [])
             synth = synthesize_prompts(cfg, exclude)
-            split.update(train=train_p + synth, synthetic=len(synth), synth_seconds=time.perf_counter() - t0)
+            split.update(train=train_p + synth, synthetic=len(synth), synthetic_asked=cfg.synthetic_prompts,
+                         synth_seconds=time.perf_counter() - t0)
         split_path.write_text(json.dumps(split))
     data_path = out / "data.pt"
     if cfg.data:
