@@ -84,3 +84,33 @@ def test_bench_errors(dirs):
     assert main(["bench", "--model", str(dirs / "target"), "--device", "cpu", "--steps", "1",
                  "--draft", str(dirs / "eagle3"), "--out", str(dirs / "never")]) == 2
     assert time.perf_counter() - t0 < 5 and not (dirs / "never").exists()
+
+
+def test_bench_stops_at_end_of_sequence_like_transformers(dirs, tmp_path):
+    """A target whose end-of-sequence token is one it writes early: both engines stop there and count the same
+    tokens; --ignore-eos generates exactly --max-tokens."""
+    import shutil
+
+    from specserve import LLM, SamplingParams
+
+    folder = tmp_path / "target"
+    shutil.copytree(dirs / "target", folder)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(3)))
+    plain = LLM(str(folder), device="cpu", dtype="float32")
+    ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}?"}]) for i in range(3)]
+    outs = plain.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=12,
+                                                                                 ignore_eos=True))
+    eos = outs[0].token_ids[3]  # a token the model writes within the first few
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
+    expect = sum(o.token_ids.index(eos) + 1 if eos in o.token_ids else 12 for o in outs) / 3
+
+    base = dict(model=str(folder), prompts=[str(prompts)], batch_sizes=[1, 2], max_tokens=12, repeats=1,
+                speculative="both", draft=str(dirs / "eagle3"), draft_len=2, device="cpu", dtype="float32",
+                compare=["hf"])
+    rows = run_bench(BenchConfig(**base))["rows"]
+    assert expect < 12 and all(r["new_tokens"] == pytest.approx(expect, abs=0.05) for r in rows), \
+        [(r["engine"], r["batch"], r["new_tokens"]) for r in rows]
+    rows = run_bench(BenchConfig(**dict(base, ignore_eos=True, compare=[])))["rows"]
+    assert all(r["new_tokens"] == 12 for r in rows)
