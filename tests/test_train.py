@@ -370,12 +370,12 @@ def test_synthesized_prompts_join_training_and_data_files_combine_without_held_o
 
     base = dict(target=str(dirs / "target"), method="eagle3", device="cpu", synthetic_temperature=5.0,
                 synthetic_max_tokens=96, gen_max_tokens=4)
-    cfg = TrainConfig(prompts=[], out="unused", synthetic_prompts=16, **base)
+    cfg = TrainConfig(prompts=[], out="unused", synthetic_prompts=24, **base)
     texts = synthesize_prompts(cfg, set())
-    assert 0 < len(texts) < 16 and len(set(texts)) == len(texts) and all(t == t.strip() and t for t in texts)
+    assert 0 < len(texts) < 24 and len(set(texts)) == len(texts) and all(t == t.strip() and t for t in texts)
     assert synthesize_prompts(cfg, {texts[0] + "  "}) == texts[1:]  # held-out prompts are never kept
 
-    rep = train(TrainConfig(prompts=[], out=str(tmp_path / "syn"), synthetic_prompts=16, regenerate_only=True, **base))
+    rep = train(TrainConfig(prompts=[], out=str(tmp_path / "syn"), synthetic_prompts=24, regenerate_only=True, **base))
     assert rep["regenerated"] == len(texts)
     syn = torch.load(tmp_path / "syn" / "data.pt")
     assert syn["train_prompts"] == texts and syn["holdout_prompts"] == []
