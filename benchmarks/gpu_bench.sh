@@ -2,9 +2,9 @@
 # Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
-#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile] [fused]
+#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile]
 # Stage limits (s): tests 240, default 200, throughput 120, scale 300, attention 230, spec16 180, hf4 200,
-# profile 150, fused 380 (GPU tests and spec16 with SPECSERVE_FUSED_LINEAR=1; compare with spec16). (scale ran out of 200 s once, printing nothing.)
+# profile 150. (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -32,10 +32,6 @@ for st in $stages; do
              --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
     hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 4 --repeats 2 --compare hf hf-compile --out $OUT/hf4 2>&1 | quiet | tail -16 ;;
-    fused) SPECSERVE_FUSED_LINEAR=1 SPECSERVE_TEST_GGUF=$M timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-             tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -8
-           SPECSERVE_FUSED_LINEAR=1 timeout 180 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
-             --batch-size 1 --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16-fused 2>&1 | quiet | tail -22 ;;
     profile) mkdir -p $OUT/profile
              timeout 90 python3 benchmarks/profile_step.py --model random:llama-3.1-8b --draft random \
                --forced-acceptance ${FORCED:-1.64} --context 512 --kv-cache-memory 24000000000 \

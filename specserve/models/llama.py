@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kernels.fused_linear import fused_linear_enabled, norm_linear, silu_mul_linear
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -37,12 +36,8 @@ class Attention(nn.Module):
         Training passes ``[B, S, H]`` inputs and a ``meta`` object with ``attend(q, k, v)`` (dense causal
         or training-time-test layouts, see ``specserve.train.attention``); no KV cache is used then.
         """
-        return self.from_qkv(self.qkv_proj(x), positions, meta, k_cache, v_cache)
-
-    def from_qkv(self, qkv, positions, meta, k_cache, v_cache):
-        """The rest of ``forward`` once the qkv projection [..., (Hq + 2 Hkv) * D] is computed."""
-        lead = qkv.shape[:-1]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        lead = x.shape[:-1]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = q.view(*lead, self.hq, self.d)
         k = k.view(*lead, self.hkv, self.d)
         v = v.view(*lead, self.hkv, self.d)
@@ -69,8 +64,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache):
         """Returns (layer output before the residual add, residual); their sum is the stream."""
-        if fused_linear_enabled(x):
-            return self._forward_fused(x, residual, positions, meta, k_cache, v_cache)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -79,15 +72,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, meta, k_cache, v_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-    def _forward_fused(self, x, residual, positions, meta, k_cache, v_cache):
-        """The same layer in six kernels instead of nine (experimental, ``specserve.kernels.fused_linear``): the
-        norms run inside the qkv and gate/up projections, the activation inside the down projection."""
-        ln, post, attn, mlp = self.input_layernorm, self.post_attention_layernorm, self.self_attn, self.mlp
-        qkv, residual = norm_linear(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        h = attn.from_qkv(qkv, positions, meta, k_cache, v_cache)
-        gu, residual = norm_linear(h, residual, post.weight, post.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return silu_mul_linear(gu, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class LlamaForCausalLM(nn.Module):
