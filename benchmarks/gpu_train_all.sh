@@ -4,7 +4,8 @@
 #   NOFILES=1 bash benchmarks/gpu_train_all.sh regen syn --synthetic-prompts 24000 --gen-workers 8
 #     # prompts the target writes itself, without the prompt files (their held-out split stays in the other files)
 #   [METHODS=eagle3] DATA="a.pt b.pt" bash benchmarks/gpu_train_all.sh train [train-draft args...]
-#     # EAGLE-3 and MTP-Eagle (or METHODS only) side by side from the regenerated data files
+#     # EAGLE-3 and MTP-Eagle (or METHODS only) side by side from the regenerated data files;
+#     # INIT_eagle3=HEAD / INIT_mtp=HEAD fine-tune that method from an exported head (--init-from)
 # Training longer than one call: pass --time-limit TOTAL --stop-after PER_CALL and repeat the same command
 # on the warm machine; each call resumes the checkpoint and the last one exports and evaluates.
 # SNAP names a copy of the package to run (so the run does not depend on the working tree of the moment).
@@ -24,13 +25,15 @@ if [ "$mode" = regen ]; then
   name=$1; shift
   timeout ${REGEN_LIMIT:-580} $py -m specserve.cli train-draft --target /root/model.gguf --method eagle3 \
     --out /root/regen-$name "${prompts[@]}" --regenerate-only "$@" 2>&1 | filter | tail -5
-  mkdir -p "$OUT/regen-$name" && cp /root/regen-$name/data.pt "$OUT/regen-$name/"
+  # in parts under 15 MB (a device call returns no larger file); locally: cat data.pt.part* > data.pt
+  mkdir -p "$OUT/regen-$name" && split -b 15000000 -d /root/regen-$name/data.pt "$OUT/regen-$name/data.pt.part"
   exit 0
 fi
 for m in ${METHODS:-eagle3 mtp}; do
   touch /tmp/train-$m.log.start  # a head older than this call is not archived again
+  init_var=INIT_$m; init=(); [ -n "${!init_var:-}" ] && init=(--init-from "${!init_var}")
   timeout ${TRAIN_LIMIT:-585} $py -m specserve.cli train-draft --target /root/model.gguf --method $m --out /root/$m \
-    --data ${DATA:-$(ls /root/regen-*/data.pt)} "${prompts[@]}" "$@" > /tmp/train-$m.log 2>&1 &
+    --data ${DATA:-$(ls /root/regen-*/data.pt)} "${prompts[@]}" "${init[@]}" "$@" > /tmp/train-$m.log 2>&1 &
 done
 wait
 for m in ${METHODS:-eagle3 mtp}; do
