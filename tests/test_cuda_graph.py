@@ -74,3 +74,35 @@ def test_cuda_graphs_equal_eager(dirs, spec, dtype, backend):
         got, llm = _run(dirs, SPECS[spec], n, padded=False, **kw)
         assert llm.engine.runner.graphs.num_captured > 0
         assert got == ref, (spec, dtype, backend, n)
+
+
+@pytest.mark.parametrize("spec", list(SPECS), ids=str)
+def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
+    """Requests one at a time (batch-1 serving): a prompt's last step is padded up to a power of two of at
+    least 16 tokens (prompts around 16 and 32 tokens, chunked prompts whose last chunk starts past 0), one
+    longer than ``prefill_graph_tokens`` stays packed; greedy and sampled outputs equal packed steps."""
+    prompts = [[(7 * i + 3) % 50 + 1 for i in range(n)] for n in (3, 16, 17, 22, 33, 40)]
+    kw = dict(max_num_batched_tokens=24, max_num_seqs=4)  # the 33- and 40-token prompts arrive in chunks
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=12, ignore_eos=True)]
+    outs = {}
+    for padded in (False, True):
+        llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", **kw,
+                  speculative_config=None if SPECS[spec] is None else
+                  dict(SPECS[spec], draft_model=str(dirs / SPECS[spec]["draft_model"])))
+        runner = llm.engine.runner
+        layouts = []
+        if padded:
+            runner.graphs = CudaGraphs(4, runner._staging_buffers(), capture=False)
+            runner.prefill_graph_tokens = 20  # the 22-token prompt stays packed
+            pick = runner.graph_layout
+            runner.graph_layout = lambda batch: layouts.append(pick(batch)) or layouts[-1]
+        outs[padded] = [llm.generate([{"prompt_token_ids": p}], params[i % 2])[0].token_ids
+                        for i, p in enumerate(prompts)]
+        assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert outs[True] == outs[False]
+    q_gen = 1 if SPECS[spec] is None else 1 + SPECS[spec]["max_draft_len"]
+    prefill_q = [lay.q for lay in layouts if lay is not None and lay.q != q_gen]
+    # 3, 16 -> 16; 17 -> 32; 22 packed; 33 = 24 packed + 9 -> 16; 40 = 24 packed + 16 -> 16
+    assert prefill_q == [16, 16, 32, 16, 16], prefill_q
+    assert layouts.count(None) == 3

@@ -28,14 +28,19 @@ def sampling_row(req, vocab_size: int) -> tuple[tuple[int, int, int], tuple[floa
             (sp.temperature, sp.top_p, sp.min_p))
 
 
+def sampling_switches(reqs) -> tuple[bool, bool]:
+    """The host-known switches of a batch's sampling code: (every row greedy, some row filters top-k/p/min-p)."""
+    return all(r.params.greedy for r in reqs), any(r.params.needs_filter for r in reqs)
+
+
 def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor, n: int | None = None) -> SamplingTensors:
     """ints = [top_k, seeds, offsets] device views [S]; floats = [temperature; top_p; min_p] device [3S].
     ``n`` (S) may exceed len(reqs): the rows past them are greedy dummies (CUDA-graph padding)."""
     n = len(reqs) if n is None else n
+    all_greedy, needs_filter = sampling_switches(reqs)
     return SamplingTensors(
         temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], top_k=ints[0], seeds=ints[1],
-        offsets=ints[2], all_greedy=all(r.params.greedy for r in reqs),
-        needs_filter=any(r.params.needs_filter for r in reqs),
+        offsets=ints[2], all_greedy=all_greedy, needs_filter=needs_filter,
     )
 
 
@@ -47,15 +52,16 @@ class _Staging:
         self.host = torch.empty(0, dtype=dtype)
         self.dev = torch.empty(0, dtype=dtype, device=device)
         self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
-        self._copied = None  # CUDA event after the last host -> device copy
+        self._event = torch.cuda.Event() if device.type == "cuda" else None  # recorded after each copy
+        self._copied = False  # a copy out of the host buffer may still be running
         self.reserve(size)
 
     def reserve(self, n: int) -> np.ndarray:
         """The host buffer (at least n elements), once the previous step's copy out of it has run: a step
         that samples nothing ends without a device sync, and the next step rewrites this buffer."""
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
+        if self._copied:
+            self._event.synchronize()
+            self._copied = False
         if n > self.host.numel():
             size = max(n, 2 * self.host.numel(), 1024)
             pin = self.device.type == "cuda"
@@ -64,13 +70,16 @@ class _Staging:
             self.generation += 1
         return self.host.numpy()
 
-    def upload(self, n: int) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return self.host[:n]
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return self.dev[:n]
+    def upload(self, n: int) -> None:
+        """Copy the first n elements to the device (asynchronously; nothing to do on the CPU)."""
+        if self.device.type != "cpu":
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self._event.record()
+            self._copied = True
+
+    def view(self, n: int) -> torch.Tensor:
+        """The first n uploaded elements as the step reads them (the host buffer itself on the CPU)."""
+        return self.host[:n] if self.device.type == "cpu" else self.dev[:n]
 
 
 @dataclass
@@ -93,6 +102,20 @@ class GraphLayout:
 
 
 @dataclass
+class Staged:
+    """A step's integer inputs once uploaded: where each array sits in the staging buffer. Device views are
+    made from this (``ModelRunner.views``) only when a step runs eagerly or a CUDA graph is captured; a
+    replay reads the buffers in place, so it skips the per-step cost of building tensors on the host."""
+
+    offsets: list[int]  # [12] element offsets of the 11 arrays (ids ... offsets) in the int staging buffer
+    rows: int  # B
+    q: int  # tokens per row (the widest row when packed)
+    table_width: int  # block-table entries per row
+    samplers: list  # the requests that sample this step (their sampling parameters are staged too)
+    num_sampling: int  # S: sampling rows, dummies included
+
+
+@dataclass
 class StepInputs:
     """One step's device inputs (views into the staging buffers)."""
 
@@ -111,11 +134,28 @@ class ModelRunner:
     def _staging_buffers(self) -> list:
         return [self._ints, self._floats]
 
+    # a one-row step of at most this many prompt tokens (batch-1 serving's prefill) runs as a graph too
+    prefill_graph_tokens = 512
+
     def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
-        """The CUDA-graph layout of a pure decode step, or None to run eagerly."""
-        if self.graphs is None or not all(s.sample and s.num_tokens == 1 for s in batch.scheduled):
+        """The CUDA-graph layout of a pure decode step (or of a one-row prefill), or None to run eagerly."""
+        if self.graphs is None:
             return None
-        return self._layout(batch, 1)
+        if all(s.sample and s.num_tokens == 1 for s in batch.scheduled):
+            return self._layout(batch, 1)
+        return self._prefill_layout(batch)
+
+    def _prefill_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
+        """One row whose step ends its prompt (it samples) in at most ``prefill_graph_tokens`` tokens: a graph
+        of that many tokens rounded up to a power of two (at least 16), the padding tokens writing only the
+        pad block. An eager step costs about one host launch per kernel, 14 ms for the default model on the
+        GPU machine, far more than the padding; batches of several rows with prompt tokens stay eager."""
+        if len(batch.scheduled) != 1:
+            return None
+        s = batch.scheduled[0]
+        if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens:
+            return None
+        return self._layout(batch, max(16, 1 << (s.num_tokens - 1).bit_length()))
 
     def _layout(self, batch: SchedulerOutput, q: int) -> GraphLayout | None:
         """Rows padded to a captured size; block tables as wide as the longest row needs, rounded up to a
@@ -154,8 +194,13 @@ class ModelRunner:
 
     def prepare(self, batch: SchedulerOutput, with_sampling: bool = True, layout: "GraphLayout | None" = None
                 ) -> StepInputs:
-        """Device inputs of a step; ``with_sampling=False`` leaves out the per-row sampling parameters
-        (the speculative runner builds its own, for every row).
+        """Device inputs of a step (``stage`` then ``views``)."""
+        return self.views(self.stage(batch, with_sampling, layout))
+
+    def stage(self, batch: SchedulerOutput, with_sampling: bool = True, layout: "GraphLayout | None" = None
+              ) -> Staged:
+        """Build a step's inputs on the host and upload them; ``with_sampling=False`` leaves out the per-row
+        sampling parameters (the speculative runner builds its own, for every row).
 
         Without ``layout`` the step is packed: row i's tokens follow row i-1's, and the block tables are
         as wide as the longest row needs. With a ``GraphLayout`` (a CUDA-graph step) every shape is fixed:
@@ -221,6 +266,7 @@ class ModelRunner:
         qidx2[row, col] = at
         qpos2[row, col] = p
         self.step_tokens = (row, col, ids[at].copy())  # [N] each: row, column, token id (speculative inputs)
+        last_tok = row_t0 + counts - 1  # [rows] flat index of each row's last token
         row_t0 = row_t0.tolist()
         fbuf = self._floats.reserve(3 * ns) if ns else None
         for j, s in enumerate(samplers):
@@ -232,32 +278,38 @@ class ModelRunner:
         if layout is None:
             ends = np.cumsum([s.num_tokens for s in sched]) - 1  # last flat token of each request
             lidx[:] = [ends[i] for i, s in enumerate(sched) if s.sample and with_sampling]
-        elif ns:
-            lidx[:] = np.arange(b) * q  # decode graphs: one token per row
+        elif ns:  # each row's last token (dummy rows: their first)
+            lidx[:] = np.arange(b) * q
+            lidx[:n_rows] = last_tok
         self.row_t0 = row_t0
-
-        dev = self._ints.upload(int(offs[-1]))
-        d = [dev[offs[i]:offs[i + 1]] for i in range(len(sizes))]
-        meta = AttentionMetadata(
-            slot_mapping=d[2], block_tables=d[4].view(b, m), query_index=d[5].view(b, q), query_pos=d[6].view(b, q),
-            flat_index=d[3], sliding_window=self.sliding_window, backend=self.attention_backend,
-        )
-        sampling = None
+        self._ints.upload(int(offs[-1]))
         if ns:
-            reqs = [s.request for s in samplers]
-            sampling = sampling_tensors(reqs, d[8:11], self._floats.upload(3 * ns), ns)
+            self._floats.upload(3 * ns)
+        return Staged(offs.tolist(), b, q, m, [s.request for s in samplers], ns)
+
+    def views(self, st: Staged) -> StepInputs:
+        """Device views of a staged step's inputs."""
+        o, b, q, ns = st.offsets, st.rows, st.q, st.num_sampling
+        dev = self._ints.view(o[-1])
+        d = [dev[o[i]:o[i + 1]] for i in range(len(o) - 1)]
+        meta = AttentionMetadata(
+            slot_mapping=d[2], block_tables=d[4].view(b, st.table_width), query_index=d[5].view(b, q),
+            query_pos=d[6].view(b, q), flat_index=d[3], sliding_window=self.sliding_window,
+            backend=self.attention_backend,
+        )
+        sampling = sampling_tensors(st.samplers, d[8:11], self._floats.view(3 * ns), ns) if ns else None
         return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
         """Run one step; returns one result per scheduled request, in schedule order."""
         layout = self.graph_layout(batch)
-        inp = self.prepare(batch, layout=layout)
+        st = self.stage(batch, layout=layout)
         if layout is None:
-            tokens = self._decode(inp)
-        else:
-            smp = inp.sampling
-            tokens = self.graphs.run((layout, smp.all_greedy, smp.needs_filter), lambda: self._decode(inp))
+            tokens = self._decode(self.views(st))
+        else:  # a replay reads the staged inputs in place: views are made only to capture
+            key = (layout, *sampling_switches(st.samplers))
+            tokens = self.graphs.run(key, lambda: self._decode(self.views(st)))
         tokens = iter(tokens.tolist() if tokens is not None else [])  # the step's one device -> host copy
         return [RowResult([next(tokens)] if s.sample else []) for s in batch.scheduled]
 

@@ -25,11 +25,29 @@ import torch
 from specserve.cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, _Staging, sampling_row,
-                                          sampling_tensors)  # noqa: F401
+                                          sampling_switches, sampling_tensors)  # noqa: F401
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.accept import AcceptInputs, accept
 from specserve.spec.config import SpeculativeConfig
 from specserve.spec.heads import DraftHead, DraftInputs
+
+
+_SPEC_NAMES = ["verify_idx", "drafts", "num_drafts", "can_accept", "base_col", "t0", "start",
+               "top_k", "seeds", "offsets", "ext", "greedy", "relaxed", "relaxed_topk", "thinking"]
+
+
+@dataclasses.dataclass
+class _SpecStaged:
+    """Acceptance and drafting inputs once uploaded (see ``Staged``) and the host-known switches."""
+
+    offsets: list[int]  # [16] element offsets of the _SPEC_NAMES arrays in the spec int staging buffer
+    rows: int  # B
+    w: int  # columns of ``ext``: q + D + 2
+    requests: list  # the scheduled requests (sampling parameters of the real rows)
+    all_greedy: bool
+    needs_filter: bool
+    max_topk: int  # the largest relaxed top-k of the batch
+    simple_greedy: bool  # every row greedy and none relaxed
 
 
 class SpecDecodeRunner(ModelRunner):
@@ -59,23 +77,23 @@ class SpecDecodeRunner(ModelRunner):
 
     def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
         """A step where every row verifies drafts after one known token runs as a graph (rows with fewer
-        than D drafts, near their end, pad their tokens)."""
-        if self.graphs is None or not all(s.sample and s.num_tokens - s.num_drafts == 1 for s in batch.scheduled):
+        than D drafts, near their end, pad their tokens); so does a one-row prefill (``_prefill_layout``)."""
+        if self.graphs is None:
             return None
-        return self._layout(batch, 1 + self.num_drafts)
+        if all(s.sample and s.num_tokens - s.num_drafts == 1 for s in batch.scheduled):
+            return self._layout(batch, 1 + self.num_drafts)
+        return self._prefill_layout(batch)
 
-    def _spec_inputs(self, batch: SchedulerOutput, q: int, rows: int):
-        """Host arrays for acceptance and drafting -> device views (one more upload). ``rows`` > the batch
-        pads with dummy rows (a graph step) that verify nothing and draft into the pad block."""
+    def _stage_spec(self, batch: SchedulerOutput, q: int, rows: int) -> _SpecStaged:
+        """Host arrays for acceptance and drafting, uploaded (one more copy). ``rows`` > the batch pads with
+        dummy rows (a graph step) that verify nothing and draft into the pad block."""
         sched = batch.scheduled
         b, d = rows, self.num_drafts
         w = q + d + 2
         sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w, b, b, b, b]
-        names = ["verify_idx", "drafts", "num_drafts", "can_accept", "base_col", "t0", "start",
-                 "top_k", "seeds", "offsets", "ext", "greedy", "relaxed", "relaxed_topk", "thinking"]
         buf = self._spec_ints.reserve(sum(sizes))
         offs = np.cumsum([0] + sizes)
-        a = {k: buf[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
+        a = {k: buf[offs[i]:offs[i + 1]] for i, k in enumerate(_SPEC_NAMES)}
         a["drafts"][:] = 0
         a["ext"][:] = 0
         vidx, drafts, ext = a["verify_idx"].reshape(b, d + 1), a["drafts"].reshape(b, d), a["ext"].reshape(b, w)
@@ -121,37 +139,46 @@ class SpecDecodeRunner(ModelRunner):
                 req = s.request
                 nxt = req.token_ids[s.start + s.num_tokens:s.start + s.num_tokens + d + 1]
                 ext[i, s.num_tokens:s.num_tokens + len(nxt)] = nxt
-        dev = self._spec_ints.upload(int(offs[-1]))
-        t = {k: dev[offs[i]:offs[i + 1]] for i, k in enumerate(names)}
-        fdev = self._spec_floats.upload(4 * b)
-        sampling = sampling_tensors([s.request for s in sched], [t["top_k"], t["seeds"], t["offsets"]], fdev, b)
-        any_relaxed = bool(a["relaxed"].any())
+        self._spec_ints.upload(int(offs[-1]))
+        self._spec_floats.upload(4 * b)
+        reqs = [s.request for s in sched]
+        all_greedy, needs_filter = sampling_switches(reqs)
+        return _SpecStaged(offs.tolist(), b, w, reqs, all_greedy, needs_filter, int(a["relaxed_topk"].max()),
+                           all_greedy and not bool(a["relaxed"].any()))
+
+    def _spec_views(self, st: _SpecStaged):
+        """Device views of staged acceptance and drafting inputs -> (named int views, AcceptInputs, w)."""
+        o, b = st.offsets, st.rows
+        dev = self._spec_ints.view(o[-1])
+        t = {k: dev[o[i]:o[i + 1]] for i, k in enumerate(_SPEC_NAMES)}
+        fdev = self._spec_floats.view(4 * b)
+        sampling = sampling_tensors(st.requests, [t["top_k"], t["seeds"], t["offsets"]], fdev, b)
         # integer views of the staging buffer; _step turns the flags into bool tensors on the device, so a
         # captured graph reads the staging buffer (fixed addresses), never tensors made outside it
         acc = AcceptInputs(
             sampling=sampling, greedy=t["greedy"], can_accept=t["can_accept"],
             relaxed=t["relaxed"], relaxed_topk=t["relaxed_topk"], relaxed_delta=fdev[3 * b:4 * b],
             thinking=t["thinking"], begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1],
-            max_topk=int(a["relaxed_topk"].max()), simple_greedy=sampling.all_greedy and not any_relaxed,
-            remove_rejected=self.remove_rejected,
+            max_topk=st.max_topk, simple_greedy=st.simple_greedy, remove_rejected=self.remove_rejected,
         )
-        return t, acc, w
+        return t, acc, st.w
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
         layout = self.graph_layout(batch)
-        inp = self.prepare(batch, with_sampling=False, layout=layout)
+        st = self.stage(batch, with_sampling=False, layout=layout)
         sched = batch.scheduled
-        b = len(sched) if layout is None else layout.rows
-        q = inp.meta.query_index.shape[1]
-        t, acc_in, w = self._spec_inputs(batch, q, b)
+        spec = self._stage_spec(batch, st.q, st.rows)
         self._host_rows = sched  # test heads read the scheduled rows; device heads never do
+
+        def step() -> torch.Tensor:  # a graph replay reads the staged inputs in place: views only to capture
+            return self._step(self.views(st), *self._spec_views(spec))
+
         if layout is None:
-            out = self._step(inp, t, acc_in, w)
+            out = step()
         else:
-            key = (layout, acc_in.simple_greedy, acc_in.sampling.all_greedy, acc_in.sampling.needs_filter,
-                   acc_in.max_topk)
-            out = self.graphs.run(key, lambda: self._step(inp, t, acc_in, w))
+            key = (layout, spec.simple_greedy, spec.all_greedy, spec.needs_filter, spec.max_topk)
+            out = self.graphs.run(key, step)
         d = self.num_drafts
         results = []
         for s, row in zip(sched, out.tolist()):  # the one device -> host copy
