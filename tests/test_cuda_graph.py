@@ -106,3 +106,19 @@ def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
     # 3, 16 -> 16; 17 -> 32; 22 packed; 33 = 24 packed + 9 -> 16; 40 = 24 packed + 16 -> 16
     assert prefill_q == [16, 16, 32, 16, 16], prefill_q
     assert layouts.count(None) == 3
+
+
+def test_prefill_layout_keeps_padding_positions_inside_the_context(dirs):
+    """A prompt's power-of-two padding must not reach positions past max_model_len (nor the RoPE table):
+    with a 40-token context, a 20-token prompt (-> 32) is padded, a 33-token one (-> 64) runs packed."""
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", max_model_len=40)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(4, runner._staging_buffers(), capture=False)
+    layouts = []
+    pick = runner.graph_layout
+    runner.graph_layout = lambda batch: layouts.append(pick(batch)) or layouts[-1]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for n in (20, 33):
+        layouts.clear()
+        llm.generate([{"prompt_token_ids": list(range(3, 3 + n))}], params)
+        assert (layouts[0] is None) == (n == 33) and (n == 33 or layouts[0].q == 32), (n, layouts[0])

@@ -153,9 +153,10 @@ class ModelRunner:
         if len(batch.scheduled) != 1:
             return None
         s = batch.scheduled[0]
-        if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens:
+        q = max(16, 1 << (s.num_tokens - 1).bit_length())
+        if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens or q > self.max_graph_q:
             return None
-        return self._layout(batch, max(16, 1 << (s.num_tokens - 1).bit_length()))
+        return self._layout(batch, q)
 
     def _layout(self, batch: SchedulerOutput, q: int) -> GraphLayout | None:
         """Rows padded to a captured size; block tables as wide as the longest row needs, rounded up to a
@@ -183,6 +184,8 @@ class ModelRunner:
         self.sliding_window = model.config.sliding_window
         self.attention_backend = attention_backend
         max_len = max_model_len or model.config.max_position_embeddings
+        # padding tokens sit at positions up to a layout's q - 1: they must stay inside the RoPE table
+        self.max_graph_q = min(max_len, model.config.max_position_embeddings)
         self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
