@@ -193,8 +193,8 @@ class Eagle3Head(DraftHead):
         d = argmax_lastdim(self.raw_logits(step, out))
         if self.lm_head is None:
             return d
-        # one gather through a draft id -> target id table, made once per d2t tensor (before any graph capture:
-        # the first step runs eagerly); d2t is replaced, not edited in place, when a head is loaded
+        # one gather through a draft id -> target id table, made once per d2t tensor (outside any capture: the
+        # first step runs eagerly or as a graph's warm-up run); d2t is replaced, not edited in place, on loading
         key = (self.d2t.data_ptr(), self.d2t.device)
         if getattr(self, "_t_ids_key", None) != key:
             self._t_ids, self._t_ids_key = self.vocab_ids(), key
