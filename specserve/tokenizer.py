@@ -79,16 +79,17 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, new_ids: Sequence[int]) -> str:
-        """Append tokens; returns the newly completed text."""
-        delta = ""
-        for tid in new_ids:
-            self.ids.append(tid)
-            prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-            full = self.tok.decode(self.ids[self.prefix:], self.skip)
-            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
-                piece = full[len(prefix_text):]
-                delta += piece
-                self.prefix, self.read = self.read, len(self.ids)
+        """Append tokens (one, or a speculative step's several: two decodes either way); returns the newly
+        completed text."""
+        if not new_ids:
+            return ""
+        self.ids.extend(new_ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        full = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix_text):]
+        self.prefix, self.read = self.read, len(self.ids)
         self.text += delta
         return delta
 

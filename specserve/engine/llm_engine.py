@@ -179,12 +179,16 @@ class LLMEngine:
         for entry, res in self.scheduler.update(batch, results):
             req = entry.request
             appended, text_before = [], len(req.output_text)
+            per_token = bool(req.params.stop)  # a stop string can end the request at any token of the step
             for tok in res.tokens:  # in order; nothing after the token that ends the request
                 req.append_token(tok)
                 appended.append(tok)
-                self._detokenize(req, [tok])
+                if per_token:
+                    self._detokenize(req, [tok])
                 if req.finished:
                     break
+            if appended and not per_token:
+                self._detokenize(req, appended)
             # the step's text after stop strings: a stop string completed by a later token of this step
             # also cuts the text that earlier tokens of the same step added
             delta = req.output_text[text_before:]
