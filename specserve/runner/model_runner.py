@@ -278,10 +278,9 @@ class ModelRunner:
         if ns > len(samplers):  # dummy rows: greedy
             topk[len(samplers):], seeds[len(samplers):], offsets[len(samplers):] = self.vocab_size, 0, 0
             fbuf[len(samplers):ns], fbuf[ns + len(samplers):2 * ns], fbuf[2 * ns + len(samplers):] = 0.0, 1.0, 0.0
-        if layout is None:
-            ends = np.cumsum([s.num_tokens for s in sched]) - 1  # last flat token of each request
-            lidx[:] = [ends[i] for i, s in enumerate(sched) if s.sample and with_sampling]
-        elif ns:  # each row's last token (dummy rows: their first)
+        if ns and layout is None:  # each sampling row's last token
+            lidx[:] = last_tok[np.fromiter((s.sample for s in sched), bool, n_rows)]
+        elif ns:  # every row's last token (dummy rows: their first)
             lidx[:] = np.arange(b) * q
             lidx[:n_rows] = last_tok
         self.row_t0 = row_t0
