@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also train on N user messages the target writes itself (sampled from its chat template "
                          "up to a user turn): general prompts when the prompt files cover few domains")
     tr.add_argument("--synthetic-temperature", type=float, default=1.0)
+    tr.add_argument("--synthetic-openers", nargs="+", default=[], metavar="WORDS",
+                    help="start synthesized message i with opener i mod n (e.g. Classify Rewrite \"Tell me\"), for "
+                         "requests of those kinds rather than the kind the target writes most often")
     tr.add_argument("--synthetic-max-tokens", type=int, default=128,
                     help="longest synthesized message; ones the target has not ended by then are dropped")
     tr.add_argument("--init-from", default=None, metavar="HEAD",
@@ -332,7 +335,7 @@ def cmd_train(a: argparse.Namespace) -> int:
               "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps",
               "batch_size", "lr", "warmup", "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
               "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only",
-              "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens", "init_from")
+              "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens", "synthetic_openers", "init_from")
     try:
         cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
         report = train(cfg)

@@ -374,6 +374,12 @@ def test_synthesized_prompts_join_training_and_data_files_combine_without_held_o
     texts = synthesize_prompts(cfg, set())
     assert 0 < len(texts) < 24 and len(set(texts)) == len(texts) and all(t == t.strip() and t for t in texts)
     assert synthesize_prompts(cfg, {texts[0] + "  "}) == texts[1:]  # held-out prompts are never kept
+    opened = synthesize_prompts(TrainConfig(prompts=[], out="unused", synthetic_prompts=24,
+                                            synthetic_openers=["Write", "Tell me"], **base), set())
+    assert opened and all(t.startswith(("Write", "Tell me")) for t in opened)
+    assert any(t.startswith("Tell me") for t in opened) and any(t.startswith("Write") for t in opened)
+    with pytest.raises(ValueError, match="needs --synthetic-prompts"):
+        TrainConfig(prompts=["p"], out="unused", synthetic_openers=["Write"], **base)
 
     rep = train(TrainConfig(prompts=[], out=str(tmp_path / "syn"), synthetic_prompts=24, regenerate_only=True, **base))
     assert rep["regenerated"] == len(texts)

@@ -3,7 +3,9 @@
 ``regenerate`` answers prompts (chat template), so the head learns the target's own distribution.
 ``synthesize_prompts`` asks the target for user turns: it is given the chat template up to the start of a
 user message and samples the message (the "pre-query template" idea of Magpie, Xu et al. 2024), which gives
-prompts in the domains the target was tuned on when the prompt files cover only a few.
+prompts in the domains the target was tuned on when the prompt files cover only a few. Optional openers
+(``synthetic_openers``: "Classify", "Rewrite", ...) start message i with opener i mod n, so the target writes
+requests of those kinds (task instructions with their input) instead of only the kind it writes most often.
 
 Both run through specserve's engine, sharded over ``gen_workers`` processes sharing the device (the engine's
 step is host-bound for a small target, so processes add throughput). Request i is always sampled with seed
@@ -36,7 +38,8 @@ def synthesize_prompts(cfg: "TrainConfig", exclude: set[str]) -> list[str]:
     Kept: messages the target ended itself (end-of-turn within ``synthetic_max_tokens``), non-empty, each once,
     and none of ``exclude`` (held-out and evaluation prompts, compared after stripping whitespace).
     """
-    texts = _sharded(cfg, [""] * cfg.synthetic_prompts, ASK)
+    openers = cfg.synthetic_openers or [""]
+    texts = _sharded(cfg, [openers[i % len(openers)] for i in range(cfg.synthetic_prompts)], ASK)
     seen = {p.strip() for p in exclude}
     kept = []
     for t in texts:
@@ -102,7 +105,9 @@ def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, work
         reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
         temperature, max_tokens = cfg.gen_temperature, cfg.gen_max_tokens
     else:
-        reqs = [{"prompt_token_ids": pre_query_ids(tok)}] * len(indexed)
+        pre = pre_query_ids(tok)  # + the opener's tokens: the message continues it
+        reqs = [{"prompt_token_ids": pre + (tok.hf.encode(o, add_special_tokens=False) if o else [])}
+                for _, o in indexed]
         temperature, max_tokens, stop = cfg.synthetic_temperature, cfg.synthetic_max_tokens, end_of_turn_ids(tok)
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop_token_ids=stop)
               for i, _ in indexed]
@@ -111,8 +116,8 @@ def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, work
         rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}
                  if o.error is None and o.token_ids else None) for (i, _), o in zip(indexed, outs)]
     else:
-        rows = [(i, o.text.strip() if o.error is None and o.finish_reason == "stop" else None)
-                for (i, _), o in zip(indexed, outs)]
+        rows = [(i, (op + o.text).strip() if o.error is None and o.finish_reason == "stop" else None)
+                for (i, op), o in zip(indexed, outs)]
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

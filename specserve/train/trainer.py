@@ -54,6 +54,7 @@ class TrainConfig:
     synthetic_prompts: int = 0  # user messages the target writes itself, added to the training prompts
     synthetic_temperature: float = 1.0
     synthetic_max_tokens: int = 128  # messages the target has not ended by then are dropped
+    synthetic_openers: list[str] = field(default_factory=list)  # message i starts with opener i mod n
     init_from: str | None = None  # start from an exported head's weights (same method and layers) instead of random
     regenerate_only: bool = False  # stop once data.pt is written (train heads from it later with --data)
     max_seq_len: int = 1024
@@ -85,6 +86,10 @@ class TrainConfig:
             raise ValueError("give --prompts FILE [FILE ...], --synthetic-prompts N, or --data from an earlier run")
         if self.synthetic_prompts < 0 or self.synthetic_temperature <= 0:
             raise ValueError("--synthetic-prompts must be >= 0 and --synthetic-temperature > 0")
+        if self.synthetic_openers and not self.synthetic_prompts:
+            raise ValueError("--synthetic-openers needs --synthetic-prompts N")
+        if any(not o.strip() for o in self.synthetic_openers):
+            raise ValueError("--synthetic-openers: an opener is empty")
         if self.synthetic_prompts and self.data:
             raise ValueError("--synthetic-prompts makes new data; it cannot be combined with --data (regenerate "
                              "with --regenerate-only, then train on every data.pt)")
@@ -341,10 +346,11 @@ def train(cfg: TrainConfig) -> dict:
     split_path = out / "prompts_split.json"
     if split_path.is_file():
         split = json.loads(split_path.read_text())
-        asked = split.get("synthetic_asked", 0)
-        if not cfg.data and cfg.synthetic_prompts != asked:
-            raise ValueError(f"{split_path} was made with --synthetic-prompts {asked}, not {cfg.synthetic_prompts}: "
-                             "resume with the same options, or use another --out")
+        asked, openers = split.get("synthetic_asked", 0), split.get("synthetic_openers", [])
+        if not cfg.data and (cfg.synthetic_prompts, cfg.synthetic_openers) != (asked, openers):
+            raise ValueError(f"{split_path} was made with --synthetic-prompts {asked} and openers {openers}, not "
+                             f"{cfg.synthetic_prompts} and {cfg.synthetic_openers}: resume with the same options, "
+                             "or use another --out")
     else:
         t0 = time.perf_counter()
         train_p, hold_p = split_prompts(cfg) if cfg.prompts else ([], [])
@@ -353,6 +359,7 @@ def train(cfg: TrainConfig) -> dict:
             exclude = set(hold_p) | set(read_prompts(cfg.eval_prompts) if cfg.eval_prompts else [])
             synth = synthesize_prompts(cfg, exclude)
             split.update(train=train_p + synth, synthetic=len(synth), synthetic_asked=cfg.synthetic_prompts,
+                         synthetic_openers=cfg.synthetic_openers,
                          synth_seconds=time.perf_counter() - t0)
         split_path.write_text(json.dumps(split))
     data_path = out / "data.pt"
