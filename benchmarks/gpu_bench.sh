@@ -3,7 +3,8 @@
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile]
-# Stage limits (s): tests 240, default 200, throughput 120, scale 300, attention 230, spec16 180, hf4 200,
+# Stage limits (s): tests 240, default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
+# ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120, scale 300, attention 230, spec16 180, hf4 200,
 # profile 150. (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
@@ -21,7 +22,7 @@ for st in $stages; do
   case $st in
     tests) SPECSERVE_TEST_GGUF=$M timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
-    default) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+    default) timeout 580 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf hf-compile --out $OUT/default 2>&1 | quiet | tail -22 ;;
     throughput) timeout 120 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
              --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput 2>&1 | quiet | tail -16 ;;
