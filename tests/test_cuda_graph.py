@@ -108,6 +108,43 @@ def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
     assert layouts.count(None) == 3
 
 
+@pytest.mark.parametrize("spec", list(SPECS), ids=str)
+def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
+    """More requests than slots: a request joins running ones when a slot frees. That step runs the new
+    prompt as a one-row prefill layout and the running rows as a generation layout (a prompt longer than
+    ``prefill_graph_tokens`` keeps the step packed); greedy and sampled outputs equal packed steps."""
+    prompts = [[(5 * i + j) % 50 + 1 for i in range(n)] for j, n in enumerate((5, 9, 14, 7, 30, 11, 6, 12))]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=5 + 2 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs, decisions = {}, []
+    for padded in (False, True):
+        llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", max_num_seqs=3,
+                  speculative_config=None if SPECS[spec] is None else
+                  dict(SPECS[spec], draft_model=str(dirs / SPECS[spec]["draft_model"])))
+        runner = llm.engine.runner
+        if padded:
+            runner.graphs = CudaGraphs(4, runner._staging_buffers(), capture=False)
+            runner.prefill_graph_tokens = 20  # the 30-token prompt joins in a packed step
+            split = runner._split
+
+            def spy(batch, split=split):
+                joining = [s.num_tokens for s in batch.scheduled if not runner._generation_row(s)]
+                decisions.append((joining, len(batch.scheduled), split(batch)))
+                return decisions[-1][2]
+            runner._split = spy
+        outs[padded] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert outs[True] == outs[False]
+    mixed = [(j, n, g) for j, n, g in decisions if j and len(j) < n]  # prompts joining running rows
+    assert len(mixed) >= 4
+    for joining, n, groups in mixed:
+        if 30 in joining:
+            assert groups is None
+        else:  # one group per joining prompt, then the running rows together
+            assert [len(g) for g in groups] == [1] * len(joining) + [n - len(joining)], (joining, groups)
+
+
 def test_prefill_layout_keeps_padding_positions_inside_the_context(dirs):
     """A prompt's power-of-two padding must not reach positions past max_model_len (nor the RoPE table):
     with a 40-token context, a 20-token prompt (-> 32) is padded, a 33-token one (-> 64) runs packed."""

@@ -18,7 +18,7 @@ from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.sampler import SamplingTensors, sample
-from specserve.scheduler.scheduler import SchedulerOutput
+from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def sampling_row(req, vocab_size: int) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
@@ -137,13 +137,37 @@ class ModelRunner:
     # a one-row step of at most this many prompt tokens (batch-1 serving's prefill) runs as a graph too
     prefill_graph_tokens = 512
 
+    # a step that mixes generation rows with at most this many rows ending their prompts (requests joining
+    # running ones) runs as one graph per such row plus one graph for the generation rows
+    max_split_prefills = 8
+
     def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
-        """The CUDA-graph layout of a pure decode step (or of a one-row prefill), or None to run eagerly."""
+        """The CUDA-graph layout of a generation step (or of a one-row prefill), or None to run eagerly. In a
+        generation step every row samples after one known token, verifying its drafts (1 + D tokens per
+        row; rows with fewer drafts, near their end, pad)."""
         if self.graphs is None:
             return None
-        if all(s.sample and s.num_tokens == 1 for s in batch.scheduled):
-            return self._layout(batch, 1)
+        if all(self._generation_row(s) for s in batch.scheduled):
+            return self._layout(batch, 1 + self.graph_q_extra)
         return self._prefill_layout(batch)
+
+    @staticmethod
+    def _generation_row(s: ScheduledRequest) -> bool:
+        return s.sample and s.num_tokens - s.num_drafts == 1
+
+    def _split(self, batch: SchedulerOutput) -> list[list[int]] | None:
+        """Row groups of a step that no one graph fits (``graph_layout`` is None) but graphs do: each row that ends its prompt alone
+        (``_prefill_layout``), then the generation rows together; None to run the step as it is. Only with
+        generation rows in the step: a step of prompts alone (a burst of arrivals) stays one packed step."""
+        if self.graphs is None or len(batch.scheduled) < 2:
+            return None
+        gen = [i for i, s in enumerate(batch.scheduled) if self._generation_row(s)]
+        pre = [i for i, s in enumerate(batch.scheduled) if not self._generation_row(s)]
+        if not gen or len(pre) > self.max_split_prefills or self.graphs.padded_rows(len(gen)) is None:
+            return None
+        if any(self._prefill_layout(SchedulerOutput([batch.scheduled[i]])) is None for i in pre):
+            return None
+        return [[i] for i in pre] + [gen]
 
     def _prefill_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
         """One row whose step ends its prompt (it samples) in at most ``prefill_graph_tokens`` tokens: a graph
@@ -302,10 +326,24 @@ class ModelRunner:
         sampling = sampling_tensors(st.samplers, d[8:11], self._floats.view(3 * ns), ns) if ns else None
         return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
-        """Run one step; returns one result per scheduled request, in schedule order."""
+        """Run one step; returns one result per scheduled request, in schedule order. A step mixing
+        generation rows with a few rows that end their prompts runs as several graph replays (``_split``):
+        on the GPU machine that costs a few milliseconds where one eager step costs about 14."""
         layout = self.graph_layout(batch)
+        groups = self._split(batch) if layout is None else None
+        if groups is None:
+            return self._execute(batch, layout)
+        results: list[RowResult] = [RowResult([])] * len(batch.scheduled)
+        for rows in groups:  # rows are independent: each group's results equal the packed step's
+            sub = SchedulerOutput([batch.scheduled[i] for i in rows])
+            for i, res in zip(rows, self._execute(sub, self.graph_layout(sub))):
+                results[i] = res
+        return results
+
+    @torch.inference_mode()
+    def _execute(self, batch: SchedulerOutput, layout: GraphLayout | None) -> list[RowResult]:
+        """One step in one layout: a graph's, or packed (``layout`` None)."""
         st = self.stage(batch, layout=layout)
         if layout is None:
             tokens = self._decode(self.views(st))

@@ -75,15 +75,6 @@ class SpecDecodeRunner(ModelRunner):
     def _staging_buffers(self) -> list:
         return [self._ints, self._floats, self._spec_ints, self._spec_floats]
 
-    def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
-        """A step where every row verifies drafts after one known token runs as a graph (rows with fewer
-        than D drafts, near their end, pad their tokens); so does a one-row prefill (``_prefill_layout``)."""
-        if self.graphs is None:
-            return None
-        if all(s.sample and s.num_tokens - s.num_drafts == 1 for s in batch.scheduled):
-            return self._layout(batch, 1 + self.num_drafts)
-        return self._prefill_layout(batch)
-
     def _stage_spec(self, batch: SchedulerOutput, q: int, rows: int) -> _SpecStaged:
         """Host arrays for acceptance and drafting, uploaded (one more copy). ``rows`` > the batch pads with
         dummy rows (a graph step) that verify nothing and draft into the pad block."""
@@ -164,8 +155,7 @@ class SpecDecodeRunner(ModelRunner):
         return t, acc, st.w
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> list[RowResult]:
-        layout = self.graph_layout(batch)
+    def _execute(self, batch: SchedulerOutput, layout: GraphLayout | None) -> list[RowResult]:
         st = self.stage(batch, with_sampling=False, layout=layout)
         sched = batch.scheduled
         spec = self._stage_spec(batch, st.q, st.rows)
