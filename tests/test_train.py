@@ -380,6 +380,8 @@ def test_synthesized_prompts_join_training_and_data_files_combine_without_held_o
     assert any(t.startswith("Tell me") for t in opened) and any(t.startswith("Write") for t in opened)
     with pytest.raises(ValueError, match="needs --synthetic-prompts"):
         TrainConfig(prompts=["p"], out="unused", synthetic_openers=["Write"], **base)
+    with pytest.raises(ValueError, match="whitespace"):
+        TrainConfig(prompts=[], out="unused", synthetic_prompts=2, synthetic_openers=["Tell me "], **base)
 
     rep = train(TrainConfig(prompts=[], out=str(tmp_path / "syn"), synthetic_prompts=24, regenerate_only=True, **base))
     assert rep["regenerated"] == len(texts)

@@ -35,7 +35,7 @@ class CudaGraphs:
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
         self._generation: tuple[int, ...] | None = None
-        self.steps = 0  # steps run through a graph layout
+        self.steps = 0  # replays (or runs) of a graph layout: each part of a split engine step counts
 
     def padded_rows(self, rows: int) -> int | None:
         """The smallest captured size >= rows, or None when the batch is too large for a graph."""

@@ -116,8 +116,9 @@ def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, work
         rows = [(i, {"prompt_ids": o.prompt_token_ids, "response_ids": o.token_ids}
                  if o.error is None and o.token_ids else None) for (i, _), o in zip(indexed, outs)]
     else:
-        rows = [(i, (op + o.text).strip() if o.error is None and o.finish_reason == "stop" else None)
-                for (i, op), o in zip(indexed, outs)]
+        # kept: messages the target ended itself with some text of its own after the opener
+        rows = [(i, (op + o.text).strip() if o.error is None and o.finish_reason == "stop" and o.text.strip()
+                 else None) for (i, op), o in zip(indexed, outs)]
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -88,8 +88,8 @@ class TrainConfig:
             raise ValueError("--synthetic-prompts must be >= 0 and --synthetic-temperature > 0")
         if self.synthetic_openers and not self.synthetic_prompts:
             raise ValueError("--synthetic-openers needs --synthetic-prompts N")
-        if any(not o.strip() for o in self.synthetic_openers):
-            raise ValueError("--synthetic-openers: an opener is empty")
+        if any(not o.strip() or o != o.strip() for o in self.synthetic_openers):
+            raise ValueError("--synthetic-openers: an opener is empty or starts or ends with whitespace")
         if self.synthetic_prompts and self.data:
             raise ValueError("--synthetic-prompts makes new data; it cannot be combined with --data (regenerate "
                              "with --regenerate-only, then train on every data.pt)")
