@@ -156,9 +156,10 @@ class ModelRunner:
         return s.sample and s.num_tokens - s.num_drafts == 1
 
     def _split(self, batch: SchedulerOutput) -> list[list[int]] | None:
-        """Row groups of a step that no one graph fits (``graph_layout`` is None) but graphs do: each row that ends its prompt alone
-        (``_prefill_layout``), then the generation rows together; None to run the step as it is. Only with
-        generation rows in the step: a step of prompts alone (a burst of arrivals) stays one packed step."""
+        """Row groups of a step that no one graph fits (``graph_layout`` is None) but graphs do: each row
+        that ends its prompt alone (``_prefill_layout``), then the generation rows together; None to run the
+        step as it is. Only with generation rows in the step: a step of prompts alone (a burst of arrivals)
+        stays one packed step."""
         if self.graphs is None or len(batch.scheduled) < 2:
             return None
         gen = [i for i, s in enumerate(batch.scheduled) if self._generation_row(s)]
