@@ -4,8 +4,8 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile]
 # Stage limits (s): tests 240, default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
-# ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120, scale 300, attention 230, spec16 180, hf4 200,
-# profile 150. (scale ran out of 200 s once, printing nothing.)
+# ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120,
+# scale 300, attention 230, spec16 180, hf4 200, profile 150. (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail

@@ -162,8 +162,9 @@ class ModelRunner:
         stays one packed step."""
         if self.graphs is None or len(batch.scheduled) < 2:
             return None
-        gen = [i for i, s in enumerate(batch.scheduled) if self._generation_row(s)]
-        pre = [i for i, s in enumerate(batch.scheduled) if not self._generation_row(s)]
+        gen, pre = [], []
+        for i, s in enumerate(batch.scheduled):
+            (gen if self._generation_row(s) else pre).append(i)
         if not gen or len(pre) > self.max_split_prefills or self.graphs.padded_rows(len(gen)) is None:
             return None
         if any(self._prefill_layout(SchedulerOutput([batch.scheduled[i]])) is None for i in pre):
@@ -335,7 +336,7 @@ class ModelRunner:
         groups = self._split(batch) if layout is None else None
         if groups is None:
             return self._execute(batch, layout)
-        results: list[RowResult] = [RowResult([])] * len(batch.scheduled)
+        results: list[RowResult | None] = [None] * len(batch.scheduled)
         for rows in groups:  # rows are independent: each group's results equal the packed step's
             sub = SchedulerOutput([batch.scheduled[i] for i in rows])
             for i, res in zip(rows, self._execute(sub, self.graph_layout(sub))):
