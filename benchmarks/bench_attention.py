@@ -4,6 +4,10 @@ KV caches with the shapes of SmolLM2-135M and Llama-3.1-8B. One attention call (
 beforehand (the engine builds them once per step for all layers); median of triton.testing.do_bench.
 
     python benchmarks/bench_attention.py [--flex-configs 4] [--json FILE]     (CUDA)
+
+``--sweep``: the Triton kernel's launch choices instead (key splits, keys per inner iteration, warps) for each
+shape, query count and context, with block tables as wide as the engine's graph layouts make them (a power of
+two of at least 256 positions), each timed as 30 calls inside one CUDA graph (a step's layers), per call.
 """
 
 from __future__ import annotations
@@ -36,11 +40,74 @@ def case(shape: str, batch: int, q: int, context: int, block: int = 16):
     return x, kc, vc, tables, qidx, qpos, d ** -0.5
 
 
+def graph_us(fn, calls: int = 30, replays: int = 50) -> float:
+    """Median time per call of ``fn`` captured ``calls`` times in one CUDA graph, in microseconds."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(json_path: str | None) -> None:
+    rows = []
+    cases = [("smollm2-135m", q, c) for q in (1, 5) for c in (200, 400, 1000, 2000)] + \
+            [("llama-3.1-8b", q, c) for q in (1, 5) for c in (400, 2000)]
+    for shape, q, context in cases:
+        need = -(-(context + 8) // 16)
+        width = max(16, 1 << (need - 1).bit_length())  # the engine's graph table width (blocks)
+        x, kc, vc, tables, qidx, qpos, scale = case(shape, 1, q, width * 16 - 8)
+        qpos = qpos - (width * 16 - 8 - context)  # positions end at `context`: the table is wider than needed
+        ref = paged_attention_sdpa(x, kc, vc, tables, qidx, qpos, scale)
+        d = SHAPES[shape][2]
+        res = dict(shape=shape, q=q, context=context, keys=width * 16,
+                   default_us=graph_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale)))
+        variants = {}
+        for splits in (1, 2, 4, 8):
+            for bn in (32, 64, 128, 256):
+                if bn * splits > width * 16 or (d > 64 and bn > 128):
+                    continue
+                for warps in (4, 8):
+                    def fn(s=splits, b=bn, w=warps):
+                        return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
+                                                      block_n=b, num_warps=w)
+                    out = fn()
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    if err > 2e-2:
+                        raise AssertionError(f"{shape} q={q} ctx={context} splits={splits} bn={bn} w={warps}: {err}")
+                    variants[f"s{splits}-n{bn}-w{warps}"] = graph_us(fn)
+        best = min(variants, key=variants.get)
+        res.update(best=best, best_us=variants[best], variants=variants)
+        rows.append(res)
+        top = sorted(variants, key=variants.get)[:4]
+        print(f"{shape:<13} q={q} ctx={context:>5} keys={width * 16:>5}  default {res['default_us']:6.2f} us  best "
+              + "  ".join(f"{k} {variants[k]:.2f}" for k in top), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flex-configs", type=int, default=4, help="how many configurations also time Flex (compiles)")
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch choices instead")
     a = p.parse_args()
+    if a.sweep:
+        return sweep(a.json)
     rows = []
     flex_left = a.flex_configs
     for shape in SHAPES:

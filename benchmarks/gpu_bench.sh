@@ -2,10 +2,11 @@
 # Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
-#   bash benchmarks/gpu_bench.sh [tests] [default] [throughput] [scale] [attention] [spec16] [hf4] [profile]
+#   bash benchmarks/gpu_bench.sh [tests] [kernels] [default] [throughput] [scale] [attention] [sweep] [spec16] [hf4]
+#                                [profile] [host]
 # Stage limits (s): tests 240, default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
 # ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120,
-# scale 300, attention 230, spec16 180, hf4 200, profile 150. (scale ran out of 200 s once, printing nothing.)
+# scale 300, attention 230, spec16 180, hf4 200, profile 150, kernels 120, sweep 240, host 150. (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -22,6 +23,9 @@ for st in $stages; do
   case $st in
     tests) SPECSERVE_TEST_GGUF=$M timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
+    kernels) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -8 ;;
+    host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --json $OUT/host.json 2>&1 | quiet | tail -16 ;;
+    sweep) timeout 240 python3 benchmarks/bench_attention.py --sweep --json $OUT/sweep.json 2>&1 | grep -v Warning | tail -16 ;;
     default) timeout 580 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf hf-compile --out $OUT/default 2>&1 | quiet | tail -22 ;;
     throughput) timeout 120 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \

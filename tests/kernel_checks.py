@@ -13,7 +13,7 @@ from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.argmax import CHUNK, argmax_lastdim
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
-from specserve.kernels.norm import rms_norm, rms_norm_ref
+from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -157,9 +157,27 @@ def check_argmax(device, dtype):
         assert int(got[0]) == v // 3
     x = torch.randn(2, 5, 3000, generator=g).to(device=device, dtype=dtype)  # leading dims
     assert torch.equal(argmax_lastdim(x), x.argmax(dim=-1))
+    ids = torch.randperm(50000, generator=g)[:3000].to(device)  # a draft vocabulary's target ids
+    assert torch.equal(argmax_lastdim(x, ids), ids[x.argmax(dim=-1)])
 
 
-CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax]
+@kernel_check
+def check_embed_norm_cat(device, dtype):
+    """EAGLE-3 / MTP input: cat(norm(embedding of ids), norm(hidden)) in one kernel == the three ops."""
+    g = torch.Generator().manual_seed(6)
+    for n, h in ((1, 576), (7, 64), (3, 1000)):
+        table = torch.randn(300, h, generator=g).to(device, dtype)
+        ids = torch.randint(0, 300, (n,), generator=g).to(device)
+        hidden = torch.randn(n, h, generator=g).to(device, dtype)
+        w1, w2 = ((1 + 0.1 * torch.randn(h, generator=g)).to(device, dtype) for _ in range(2))
+        got = embed_norm_cat(ids, table, w1, hidden, w2, 1e-5)
+        ref = torch.cat((rms_norm_ref(table[ids], w1, 1e-5), rms_norm_ref(hidden, w2, 1e-5)), dim=-1)
+        assert got.shape == (n, 2 * h) and got.dtype == ref.dtype
+        _close(got, ref, dtype, "embed_norm_cat")
+
+
+CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
+          check_embed_norm_cat]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

@@ -24,12 +24,14 @@ MAX_CHUNKS = 1024  # past this many chunks per row the second kernel's tile grow
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared in float32 exactly (float64 would not be)
 
 
-def argmax_lastdim(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] (float32 / bfloat16 / float16) -> index of the largest entry per row [...] int64."""
+def argmax_lastdim(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., V] (float32 / bfloat16 / float16) -> index of the largest entry per row [...] int64; with ``ids``
+    [V] int64, ``ids`` at that index (a draft vocabulary's target ids: the lookup rides in the second kernel)."""
     v = x.shape[-1]
     n_chunks = triton.cdiv(v, CHUNK) if triton is not None else 0
     if not use_triton(x) or x.numel() == 0 or n_chunks > MAX_CHUNKS or x.dtype not in _DTYPES:
-        return x.argmax(dim=-1)
+        best = x.argmax(dim=-1)
+        return best if ids is None else ids[best]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, v)
     if x2.stride(-1) != 1:
@@ -39,7 +41,8 @@ def argmax_lastdim(x: torch.Tensor) -> torch.Tensor:
     part_i = torch.empty(n, n_chunks, dtype=torch.int64, device=x.device)
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK)
-    _argmax_pick[(n,)](part_v, part_i, out, n_chunks, BLOCK=triton.next_power_of_2(n_chunks))
+    _argmax_pick[(n,)](part_v, part_i, out, n_chunks, out if ids is None else ids, BLOCK=triton.next_power_of_2(n_chunks),
+                       MAP=ids is not None)
     return out.view(lead)
 
 
@@ -55,9 +58,12 @@ if triton is not None:
         tl.store(PI + row * NC + c, (c * CHUNK + at).to(tl.int64))
 
     @triton.jit
-    def _argmax_pick(PV, PI, OUT, NC, BLOCK: tl.constexpr):
+    def _argmax_pick(PV, PI, OUT, NC, IDS, BLOCK: tl.constexpr, MAP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK)
         pv = tl.load(PV + row * NC + k, mask=k < NC, other=float("-inf"))
         _, at = tl.max(pv, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(OUT + row, tl.load(PI + row * NC + at))
+        best = tl.load(PI + row * NC + at)
+        if MAP:
+            best = tl.load(IDS + best)
+        tl.store(OUT + row, best)

@@ -36,10 +36,13 @@ BLOCK_N = 64  # key positions per inner iteration
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
-                           sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, num_splits: int | None = None,
+                           block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
-    positions and to ``SPLIT`` positions per split past that."""
+    positions and to ``SPLIT`` positions per split past that; ``block_n`` (keys per inner iteration, default
+    ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
+    --sweep``)."""
     t, hq, d = q.shape
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -56,7 +59,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     if num_splits is None:
         num_splits = 1 if keys <= ONE_SPLIT_KEYS else triton.cdiv(keys, SPLIT)
     # key positions per split: a power of two (few compiled variants) covering the table
-    span = max(BLOCK_N, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
+    block_n = block_n or BLOCK_N
+    span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
+    launch = {} if num_warps is None else {"num_warps": num_warps}
     final = num_splits == 1  # the split kernel normalises and writes the output itself
     head_d = triton.next_power_of_2(d)
     out = torch.empty_like(q)
@@ -69,8 +74,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         q, k_cache, v_cache, block_tables, query_index, query_pos, part_acc, part_ml, out, scale, t, qw, n_qt,
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
-        G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
-        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // BLOCK_N, FINAL=final)
+        G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
+        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, **launch)
     if not final:
         _attn_merge_kernel[(b * n_qt, hkv)](
             part_acc, part_ml, out, query_index, query_pos, t, qw, n_qt, out.stride(0), out.stride(1),

@@ -69,6 +69,10 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
+        return self.body(h, residual, positions, meta, k_cache, v_cache)
+
+    def body(self, h, residual, positions, meta, k_cache, v_cache):
+        """The layer after its input norm: h = normed input stream, residual = the input stream itself."""
         h = self.self_attn(h, positions, meta, k_cache, v_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -107,10 +111,14 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, meta, *kv_caches[i])
-            if i in aux_layers:
-                captured[i] = x + residual
-        x, _ = self.norm(x, residual)
+            if i - 1 in aux_layers:  # layer i - 1's output stream is the sum that this layer's input norm forms
+                h, residual = layer.input_layernorm(x, residual)
+                captured[i - 1] = residual
+                x, residual = layer.body(h, residual, positions, meta, *kv_caches[i])
+            else:
+                x, residual = layer(x, residual, positions, meta, *kv_caches[i])
+        x, residual = self.norm(x, residual)
+        captured[len(self.layers) - 1] = residual  # the last layer's output stream (used when asked)
         return x, [captured[i] for i in sorted(aux_layers)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.config import ModelConfig
 from specserve.kernels.argmax import argmax_lastdim
+from specserve.kernels.norm import embed_norm_cat
 from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from specserve.models.llama import Attention, DecoderLayer
@@ -64,9 +65,10 @@ class DraftHead(nn.Module):
     def target(self):
         return self._target[0]
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed_table(self) -> torch.Tensor:
+        """The embedding the head reads its input tokens through [V, H]: its own, or the target's."""
         own = getattr(self, "embed_tokens", None)
-        return (own if own is not None else self.target.embed_tokens)(ids)
+        return (own if own is not None else self.target.embed_tokens).weight
 
     # --- per-step pieces ---------------------------------------------------------------------
     def first_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -151,12 +153,14 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, emb, hidden, positions, meta, k_cache, v_cache):
-        """emb, hidden [N, H] -> output stream [N, H] (pre final norm)."""
-        x = torch.cat((self.input_layernorm(emb), self.hidden_norm(hidden)), dim=-1)
+    def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache):
+        """ids [N] (training: [B, S]); table [V, H]: the embedding; hidden [N, H] -> output stream [N, H]
+        (pre final norm)."""
+        x = embed_norm_cat(ids, table, self.input_layernorm.weight, hidden, self.hidden_norm.weight,
+                           self.input_layernorm.eps)  # [N, 2H]
         x = self.self_attn(x, positions, meta, k_cache, v_cache)
         x, residual = self.post_attention_layernorm(x, hidden)
-        return self.mlp(x) + residual
+        return self.mlp(x, residual)
 
 
 class Eagle3Head(DraftHead):
@@ -178,7 +182,7 @@ class Eagle3Head(DraftHead):
         return self.fc(torch.cat(aux, dim=-1))
 
     def run_module(self, step, ids, positions, hidden, meta, kv):
-        return self.midlayer(self.embed(ids), hidden, positions, meta, *kv)
+        return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv)
 
     def raw_logits(self, step, out):
         x = self.norm(out)
@@ -190,15 +194,15 @@ class Eagle3Head(DraftHead):
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def draft_ids(self, step, out):
-        d = argmax_lastdim(self.raw_logits(step, out))
         if self.lm_head is None:
-            return d
-        # one gather through a draft id -> target id table, made once per d2t tensor (outside any capture: the
-        # first step runs eagerly or as a graph's warm-up run); d2t is replaced, not edited in place, on loading
+            return argmax_lastdim(self.raw_logits(step, out))
+        # the argmax looks its draft id up in a draft id -> target id table, made once per d2t tensor (outside
+        # any capture: the first step runs eagerly or as a graph's warm-up run); d2t is replaced, not edited in
+        # place, on loading
         key = (self.d2t.data_ptr(), self.d2t.device)
         if getattr(self, "_t_ids_key", None) != key:
             self._t_ids, self._t_ids_key = self.vocab_ids(), key
-        return self._t_ids[d]
+        return argmax_lastdim(self.raw_logits(step, out), self._t_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,8 +222,8 @@ class MTPModule(nn.Module):
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.shared_head_head = nn.Linear(h, cfg.vocab_size, bias=False) if own_head else None
 
-    def forward(self, emb, hidden, positions, meta, k_cache, v_cache):
-        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
+    def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache):
+        x = self.eh_proj(embed_norm_cat(ids, table, self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps))
         out, residual = self.block(x, None, positions, meta, k_cache, v_cache)
         return out + residual
 
@@ -247,7 +251,7 @@ class MTPHead(DraftHead):
         return hidden
 
     def run_module(self, step, ids, positions, hidden, meta, kv):
-        return self.module(step)(self.embed(ids), hidden, positions, meta, *kv)
+        return self.module(step)(ids, self.embed_table(), hidden, positions, meta, *kv)
 
     def raw_logits(self, step, out):
         mod = self.module(step)

@@ -1,0 +1,159 @@
+"""Where the wall time of an engine step goes on the host, with the real model and device: batch-1 generation
+over the default chat prompts (speculation off, then on), every piece of ``LLMEngine.step`` timed with
+``time.perf_counter`` wrappers, and Python's garbage collections timed through ``gc.callbacks``.
+
+Pieces per step (microseconds, mean over every step of the timed run): schedule, stage (host arrays and
+their upload, speculative inputs included), launch (the graph replay call, which returns once the work is
+queued), wait (the one device -> host copy: mostly the device finishing the step), results (turning the copy
+into per-row results), update (scheduler bookkeeping), detokenize, outputs (``RequestOutput`` objects), and
+the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each.
+
+    python benchmarks/profile_host.py [--model M] [--draft HEAD] [--num-prompts 16] [--max-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import time
+
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.bench.prompts import DEFAULT_PROMPTS
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.total: collections.Counter = collections.Counter()
+        self.gc_s = 0.0
+        self.gc_count = 0
+        self._gc_t0 = 0.0
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        total = self.total
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                total[name] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+    def gc_callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_t0
+            self.gc_count += 1
+
+
+class _TimedTensor:
+    """Stands for the step's output tensor so that its ``tolist`` (the device -> host copy) is timed."""
+
+    def __init__(self, t: torch.Tensor, timers: Timers) -> None:
+        self._t, self._timers = t, timers
+
+    def tolist(self):
+        t0 = time.perf_counter()
+        out = self._t.tolist()
+        self._timers.total["wait"] += time.perf_counter() - t0
+        return out
+
+
+def run(model, draft, prompts, max_tokens: int, repeats: int) -> dict:
+    spec = dict(method="eagle3", draft_model=draft, max_draft_len=4) if draft else None
+    llm = LLM(model, speculative_config=spec, max_num_seqs=1)
+    eng = llm.engine
+    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate([{"prompt_token_ids": x} for x in ids], sp)  # warm-up: graph capture
+    tm = Timers()
+    runner = eng.runner
+    tm.wrap(eng.scheduler, "schedule", "schedule")
+    tm.wrap(eng.scheduler, "update", "update")
+    tm.wrap(eng, "_detokenize", "detokenize")
+    tm.wrap(eng, "_output", "outputs")
+    tm.wrap(runner, "stage", "stage")
+    if hasattr(runner, "_stage_spec"):
+        tm.wrap(runner, "_stage_spec", "stage")
+    tm.wrap(runner, "execute", "execute")
+    tm.wrap(eng, "step", "step")
+    if runner.graphs is not None:
+        graphs = runner.graphs
+        real_run = graphs.run
+
+        def run_timed(key, step):
+            t0 = time.perf_counter()
+            out = real_run(key, step)
+            tm.total["launch"] += time.perf_counter() - t0
+            return _TimedTensor(out, tm) if isinstance(out, torch.Tensor) else out
+
+        graphs.run = run_timed
+    gc.callbacks.append(tm.gc_callback)
+    best = None
+    for _ in range(repeats):
+        before = dict(tm.total), tm.gc_s, tm.gc_count, eng.num_steps
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        steps = eng.num_steps - before[3]
+        per = {k: (v - before[0].get(k, 0.0)) / steps * 1e6 for k, v in tm.total.items()}
+        res = dict(wall_s=wall, steps=steps, tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+                   gc_ms=(tm.gc_s - before[1]) * 1e3, gc_count=tm.gc_count - before[2], us_per_step=per)
+        if best is None or wall < best["wall_s"]:
+            best = res
+    gc.callbacks.remove(tm.gc_callback)
+    p = best["us_per_step"]
+    p["wall"] = best["wall_s"] / best["steps"] * 1e6
+    p["results"] = p.get("execute", 0) - p.get("stage", 0) - p.get("launch", 0) - p.get("wait", 0)
+    p["step_other"] = p["step"] - p.get("execute", 0) - sum(p.get(k, 0) for k in ("schedule", "update", "detokenize",
+                                                                                  "outputs"))
+    p["generate_other"] = p["wall"] - p["step"]
+    del llm, eng, runner
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default=None, help="EAGLE-3 head folder (default: the shipped head)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from specserve.heads import default_speculative_config
+
+    draft = a.draft or default_speculative_config("eagle3", 4)["draft_model"]
+    prompts = DEFAULT_PROMPTS[:a.num_prompts]
+    out = {}
+    for name, d in (("off", None), ("on", draft)):
+        out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats)
+    keys = ["wall", "step", "schedule", "stage", "launch", "wait", "results", "update", "detokenize", "outputs",
+            "step_other", "generate_other"]
+    print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))
+    for k in keys:
+        print(f"{k:<16}" + "".join(f"{r['us_per_step'].get(k, 0):>10.1f}" for r in out.values()))
+    for name, r in out.items():
+        print(f"{name}: {r['steps']} steps, {r['tokens']} tokens, {r['wall_s']:.3f} s, "
+              f"gc {r['gc_count']} collections {r['gc_ms']:.1f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d %H:%M"), torch=torch.__version__, runs=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
