@@ -2,10 +2,10 @@
 device work replaced by a stub, so the figure is what the host adds to every step whatever the GPU does.
 
 A tiny random model, B requests in the generation phase, graph layouts (padded, as on CUDA), 200 steps;
-the stub stages the step's inputs exactly as the runner does before a CUDA-graph replay (``stage``, and
-the speculative inputs with speculation on: host arrays and their upload) and returns one token (three with
-speculation) per row. "views" is what an eager step (or a graph capture) adds on top: the device views of
-the staged inputs, timed separately and not part of the step figure.
+the stub stages the step's inputs exactly as the runner does before a CUDA-graph replay (``stage_graph``:
+the compact record and its upload) and returns one token (three with speculation) per row. "views" is what
+a graph capture adds on top (a replay does not): the record's device views and the ops that expand them,
+run here eagerly on the CPU, timed separately and not part of the step figure.
 
     python benchmarks/bench_host.py [--batch 1 64] [--steps 200]
 """
@@ -57,13 +57,13 @@ def main() -> None:
             def stub(batch):
                 t0 = time.perf_counter()
                 layout = runner.graph_layout(batch)
-                st = runner.stage(batch, with_sampling=not spec, layout=layout)
-                sst = runner._stage_spec(batch, st.q, st.rows) if spec else None
+                rec, switches = runner.stage_graph(batch, layout)
                 t1 = time.perf_counter()
                 t_in.append(t1 - t0)
-                runner.views(st)
                 if spec:
-                    runner._spec_views(sst)
+                    runner._graph_step_inputs(rec, switches)
+                else:
+                    runner.graph_views(rec)
                 t_views.append(time.perf_counter() - t1)
                 return [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2) if spec else RowResult([7])
                         for s in batch.scheduled]

@@ -75,19 +75,22 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
     spec_ms = replay_ms(spec_graphs[-1])
     plain = ModelRunner(eng.model, eng.kv_cache, eng.device, max_model_len=eng.max_model_len)
 
-    def layout_inputs(q: int):
+    def layout_record(q: int):
+        """A graph step's record for every request with q tokens (the device expands it inside the graph,
+        as in an engine step)."""
         entries = [ScheduledRequest(r, r.num_computed_tokens, q, True, q - 1) for r in reqs]
         for r in reqs:  # drafts to verify (values do not matter for timing)
             r.spec_token_ids = (r.spec_token_ids + [0] * d)[:q - 1]
-        return plain.prepare(SchedulerOutput(entries), layout=GraphLayout(layout.rows, q, layout.table_width))
+        return plain.stage_graph(SchedulerOutput(entries), GraphLayout(layout.rows, q, layout.table_width))[0]
 
-    inp1 = layout_inputs(1)
-    decode = _capture(lambda: plain._decode(inp1))
+    rec1 = layout_record(1)
+    decode = _capture(lambda: plain._decode(plain.graph_views(rec1)[2]))
     decode_ms = replay_ms(decode)
-    inpq = layout_inputs(d + 1)
+    recq = layout_record(d + 1)
 
     def verify():
-        hidden, aux = eng.model(inpq.input_ids, inpq.positions, inpq.meta, plain.kv_views,
+        inp = plain.graph_views(recq)[2]
+        hidden, aux = eng.model(inp.input_ids, inp.positions, inp.meta, plain.kv_views,
                                 aux_layers=runner.head.aux_layers)
         return eng.model.compute_logits(hidden).argmax(-1)
 

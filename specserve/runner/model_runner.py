@@ -17,6 +17,7 @@ from specserve.config import cdiv
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
+from specserve.runner.graph_inputs import Expanded, Record, expand, record_views, row_fields, stage_record
 from specserve.runner.sampler import SamplingTensors, sample
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -31,6 +32,20 @@ def sampling_row(req, vocab_size: int) -> tuple[tuple[int, int, int], tuple[floa
 def sampling_switches(reqs) -> tuple[bool, bool]:
     """The host-known switches of a batch's sampling code: (every row greedy, some row filters top-k/p/min-p)."""
     return all(r.params.greedy for r in reqs), any(r.params.needs_filter for r in reqs)
+
+
+def sampling_fields(sched, rows: int, vocab_size: int, ints: dict, floats: dict) -> None:
+    """Every row's sampling parameters as record fields (``graph_inputs``); padding rows are greedy."""
+    cols: list[list] = [[], [], [], [], [], []]
+    for s in sched:
+        (k, seed, off), (temp, top_p, min_p) = sampling_row(s.request, vocab_size)
+        for c, v in zip(cols, (k, seed, off, temp, top_p, min_p)):
+            c.append(v)
+    pad = rows - len(sched)
+    for name, c, v in zip(("top_k", "seeds", "offsets"), cols[:3], (vocab_size, 0, 0)):
+        ints[name] = c + [v] * pad
+    for name, c, v in zip(("temperature", "top_p", "min_p"), cols[3:], (0.0, 1.0, 0.0)):
+        floats[name] = c + [v] * pad
 
 
 def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor, n: int | None = None) -> SamplingTensors:
@@ -221,35 +236,24 @@ class ModelRunner:
         self._floats = _Staging(torch.float32, device, 8 * rows)
         self.graphs = CudaGraphs(rows, self._staging_buffers()) if rows else None
 
-    def prepare(self, batch: SchedulerOutput, with_sampling: bool = True, layout: "GraphLayout | None" = None
-                ) -> StepInputs:
-        """Device inputs of a step (``stage`` then ``views``)."""
-        return self.views(self.stage(batch, with_sampling, layout))
+    def prepare(self, batch: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
+        """Device inputs of a packed step (``stage`` then ``views``)."""
+        return self.views(self.stage(batch, with_sampling))
 
-    def stage(self, batch: SchedulerOutput, with_sampling: bool = True, layout: "GraphLayout | None" = None
-              ) -> Staged:
-        """Build a step's inputs on the host and upload them; ``with_sampling=False`` leaves out the per-row
-        sampling parameters (the speculative runner builds its own, for every row).
-
-        Without ``layout`` the step is packed: row i's tokens follow row i-1's, and the block tables are
-        as wide as the longest row needs. With a ``GraphLayout`` (a CUDA-graph step) every shape is fixed:
-        ``layout.rows`` rows of exactly ``layout.q`` tokens (rows past the batch are dummies that read and
-        write only the reserved pad block; a row's tokens past its own are padding that writes there
-        too), block tables ``layout.table_width`` wide, and every row sampling; the views then land at
-        the same device addresses on every step of that layout."""
+    def stage(self, batch: SchedulerOutput, with_sampling: bool = True) -> Staged:
+        """Build a packed step's inputs on the host and upload them (a graph step stages a compact record
+        instead, ``stage_graph``); ``with_sampling=False`` leaves out the per-row sampling parameters (the
+        speculative runner builds its own, for every row). Row i's tokens follow row i-1's, and the block
+        tables are as wide as the longest row needs."""
         sched = batch.scheduled
         bs = self.block_size
-        b = len(sched) if layout is None else layout.rows
-        q = max(s.num_tokens for s in sched) if layout is None else layout.q
-        t = batch.total_tokens if layout is None else b * q
+        b = len(sched)
+        q = max(s.num_tokens for s in sched)
+        t = batch.total_tokens
         la = self.table_lookahead
-        if layout is None:
-            m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
-        else:
-            m = layout.table_width
-        samplers = ([s for s in sched if s.sample] if with_sampling else []) if layout is None else \
-            (sched if with_sampling else [])
-        ns = len(samplers) if layout is None else (b if with_sampling else 0)
+        m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
+        samplers = [s for s in sched if s.sample] if with_sampling else []
+        ns = len(samplers)
         sizes = [t, t, t, t, b * m, b * q, b * q, ns, ns, ns, ns]
         buf = self._ints.reserve(sum(sizes))
         offs = np.cumsum([0] + sizes)
@@ -259,22 +263,10 @@ class ModelRunner:
         qidx[:] = t  # padding queries read the zero row appended after the T real ones
         qpos[:] = 0
         tables2, qidx2, qpos2 = tables.reshape(b, m), qidx.reshape(b, q), qpos.reshape(b, q)
-        if layout is not None:
-            # padding tokens: id 0 at position j (their column), writing the pad block; they are queries like
-            # any token (attending keys 0..j of their row's table, or of the pad block for dummy rows), so
-            # their values stay finite and never poison a masked-out read of the pad block
-            ids[:] = 0
-            pos[:] = np.tile(np.arange(q), b)
-            slots[:] = pos[:t] % bs + PAD_BLOCK * bs
-            flat[:] = np.arange(t)
-            qidx[:] = flat
-            qpos[:] = pos
         # per row: its token ids and block-table row (Python lists); everything else is vectorised below
-        n_rows = len(sched)
-        starts = np.fromiter((s.start for s in sched), np.int64, n_rows)
-        counts = np.fromiter((s.num_tokens for s in sched), np.int64, n_rows)
+        starts = np.fromiter((s.start for s in sched), np.int64, b)
+        counts = np.fromiter((s.num_tokens for s in sched), np.int64, b)
         first = np.cumsum(counts) - counts  # packed offset of each row's first token
-        row_t0 = first if layout is None else np.arange(n_rows, dtype=np.int64) * q
         tokens: list[int] = []
         for i, s in enumerate(sched):
             req = s.request
@@ -283,37 +275,63 @@ class ModelRunner:
             tokens += req.spec_token_ids[:s.num_drafts]
             nb = min(len(req.block_ids), cdiv(s.start + s.num_tokens + la, bs))
             tables2[i, :nb] = req.block_ids[:nb]
-        total = int(counts.sum())
-        row = np.repeat(np.arange(n_rows, dtype=np.int64), counts)  # [N] row of each real token
-        col = np.arange(total, dtype=np.int64) - first[row]  # [N] its index within the row
-        at = row_t0[row] + col  # [N] its flat index in this step's layout
-        p = starts[row] + col  # [N] its position
-        ids[at] = tokens
-        pos[at] = p
-        slots[at] = tables2[row, p // bs] * bs + p % bs
-        flat[at] = row * q + col
+        row = np.repeat(np.arange(b, dtype=np.int64), counts)  # [T] row of each token
+        col = np.arange(t, dtype=np.int64) - first[row]  # [T] its index within the row
+        at = np.arange(t, dtype=np.int64)  # [T] its flat index
+        p = starts[row] + col  # [T] its position
+        ids[:] = tokens
+        pos[:] = p
+        slots[:] = tables2[row, p // bs] * bs + p % bs
+        flat[:] = row * q + col
         qidx2[row, col] = at
         qpos2[row, col] = p
-        self.step_tokens = (row, col, ids[at].copy())  # [N] each: row, column, token id (speculative inputs)
-        last_tok = row_t0 + counts - 1  # [rows] flat index of each row's last token
-        row_t0 = row_t0.tolist()
+        self.step_tokens = (row, col, ids.copy())  # [T] each: row, column, token id (speculative inputs)
+        last_tok = first + counts - 1  # [B] flat index of each row's last token
+        self.row_t0 = first.tolist()
         fbuf = self._floats.reserve(3 * ns) if ns else None
         for j, s in enumerate(samplers):
             (topk[j], seeds[j], offsets[j]), (fbuf[j], fbuf[ns + j], fbuf[2 * ns + j]) = \
                 sampling_row(s.request, self.vocab_size)
-        if ns > len(samplers):  # dummy rows: greedy
-            topk[len(samplers):], seeds[len(samplers):], offsets[len(samplers):] = self.vocab_size, 0, 0
-            fbuf[len(samplers):ns], fbuf[ns + len(samplers):2 * ns], fbuf[2 * ns + len(samplers):] = 0.0, 1.0, 0.0
-        if ns and layout is None:  # each sampling row's last token
-            lidx[:] = last_tok[np.fromiter((s.sample for s in sched), bool, n_rows)]
-        elif ns:  # every row's last token (dummy rows: their first)
-            lidx[:] = np.arange(b) * q
-            lidx[:n_rows] = last_tok
-        self.row_t0 = row_t0
+        if ns:  # each sampling row's last token
+            lidx[:] = last_tok[np.fromiter((s.sample for s in sched), bool, b)]
         self._ints.upload(int(offs[-1]))
         if ns:
             self._floats.upload(3 * ns)
         return Staged(offs.tolist(), b, q, m, [s.request for s in samplers], ns)
+
+    def stage_graph(self, batch: SchedulerOutput, layout: GraphLayout) -> tuple[Record, tuple]:
+        """Stage a graph step's compact record (``specserve.runner.graph_inputs``) -> (record, the host
+        switches that pick the graph's variant)."""
+        sched = batch.scheduled
+        b, q, m = layout.rows, layout.q, layout.table_width
+        ints = row_fields(sched, b, q, m, self.block_size, self.table_lookahead)
+        floats: dict[str, list[float]] = {}
+        switches = self._row_params(sched, b, ints, floats)
+        return stage_record(self._ints, sched, b, q, m, ints, floats), switches
+
+    def _row_params(self, sched, rows: int, ints: dict, floats: dict) -> tuple:
+        """Per-row parameters of a graph step, added to ``ints`` / ``floats`` -> the host switches."""
+        sampling_fields(sched, rows, self.vocab_size, ints, floats)
+        return sampling_switches([s.request for s in sched])
+
+    def graph_views(self, rec: Record) -> tuple[dict, Expanded, StepInputs]:
+        """Inside a graph step: the record's device views, what the device derives from them, and the step's
+        inputs."""
+        f = record_views(self._ints, rec)
+        e = expand(f, rec.rows, rec.q, rec.table_width, self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=e.slots.view(-1), block_tables=e.tables, query_index=e.flat.view(rec.rows, rec.q),
+            query_pos=e.positions, flat_index=e.flat, sliding_window=self.sliding_window,
+            backend=self.attention_backend,
+        )
+        sampling = None
+        if "top_k" in f:
+            all_greedy, needs_filter = sampling_switches(rec.requests)
+            sampling = SamplingTensors(temperature=f["temperature"], top_p=f["top_p"], min_p=f["min_p"],
+                                       top_k=f["top_k"], seeds=f["seeds"], offsets=f["offsets"],
+                                       all_greedy=all_greedy, needs_filter=needs_filter)
+        return f, e, StepInputs(input_ids=e.tokens.view(-1), positions=e.positions.view(-1), meta=meta,
+                                logits_indices=e.last, sampling=sampling)
 
     def views(self, st: Staged) -> StepInputs:
         """Device views of a staged step's inputs."""
@@ -346,12 +364,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, batch: SchedulerOutput, layout: GraphLayout | None) -> list[RowResult]:
         """One step in one layout: a graph's, or packed (``layout`` None)."""
-        st = self.stage(batch, layout=layout)
         if layout is None:
-            tokens = self._decode(self.views(st))
-        else:  # a replay reads the staged inputs in place: views are made only to capture
-            key = (layout, *sampling_switches(st.samplers))
-            tokens = self.graphs.run(key, lambda: self._decode(self.views(st)))
+            tokens = self._decode(self.views(self.stage(batch)))
+        else:  # a replay reads the staged record in place: views are made only to capture
+            rec, switches = self.stage_graph(batch, layout)
+            tokens = self.graphs.run((layout, *switches), lambda: self._decode(self.graph_views(rec)[2]))
         tokens = iter(tokens.tolist() if tokens is not None else [])  # the step's one device -> host copy
         return [RowResult([next(tokens)] if s.sample else []) for s in batch.scheduled]
 

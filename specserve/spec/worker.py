@@ -24,8 +24,8 @@ import torch
 
 from specserve.cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, _Staging, sampling_row,
-                                          sampling_switches, sampling_tensors)  # noqa: F401
+from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, _Staging, sampling_fields,
+                                          sampling_row, sampling_switches, sampling_tensors)
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.accept import AcceptInputs, accept
 from specserve.spec.config import SpeculativeConfig
@@ -75,11 +75,11 @@ class SpecDecodeRunner(ModelRunner):
     def _staging_buffers(self) -> list:
         return [self._ints, self._floats, self._spec_ints, self._spec_floats]
 
-    def _stage_spec(self, batch: SchedulerOutput, q: int, rows: int) -> _SpecStaged:
-        """Host arrays for acceptance and drafting, uploaded (one more copy). ``rows`` > the batch pads with
-        dummy rows (a graph step) that verify nothing and draft into the pad block."""
+    def _stage_spec(self, batch: SchedulerOutput, q: int) -> _SpecStaged:
+        """Host arrays for acceptance and drafting of a packed step, uploaded (one more copy); a graph step
+        derives them on the device from its record (``_graph_step_inputs``)."""
         sched = batch.scheduled
-        b, d = rows, self.num_drafts
+        b, d = len(sched), self.num_drafts
         w = q + d + 2
         sizes = [b * (d + 1), b * d, b, b, b, b, b, b, b, b, b * w, b, b, b, b]
         buf = self._spec_ints.reserve(sum(sizes))
@@ -89,16 +89,6 @@ class SpecDecodeRunner(ModelRunner):
         a["ext"][:] = 0
         vidx, drafts, ext = a["verify_idx"].reshape(b, d + 1), a["drafts"].reshape(b, d), a["ext"].reshape(b, w)
         fl = self._spec_floats.reserve(4 * b)
-        cfg = self.spec
-        if b > len(sched):  # dummy rows
-            k = len(sched)
-            vidx[k:] = (np.arange(k, b) * q)[:, None]
-            for name, value in (("num_drafts", 0), ("can_accept", 0), ("greedy", 1), ("relaxed", 0),
-                                ("relaxed_topk", 1), ("thinking", 0), ("base_col", 0), ("start", 0),
-                                ("top_k", self.vocab_size), ("seeds", 0), ("offsets", 0)):
-                a[name][k:] = value
-            a["t0"][k:] = np.arange(k, b) * q
-            fl[k:b], fl[b + k:2 * b], fl[2 * b + k:3 * b], fl[3 * b + k:4 * b] = 0.0, 1.0, 0.0, 0.0
         k = len(sched)
         n = np.fromiter((s.num_tokens for s in sched), np.int64, k)
         nd = np.fromiter((s.num_drafts for s in sched), np.int64, k)
@@ -111,12 +101,7 @@ class SpecDecodeRunner(ModelRunner):
         a["can_accept"][:k] = np.fromiter((s.sample for s in sched), np.int64, k)  # samplers verify and draft
         a["thinking"][:k] = np.fromiter((s.request.thinking for s in sched), np.int64, k)
         for i, s in enumerate(sched):
-            sp = s.request.params
-            a["greedy"][i] = sp.greedy
-            a["relaxed"][i] = cfg.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None \
-                else sp.relaxed_acceptance
-            a["relaxed_topk"][i] = sp.relaxed_topk if sp.relaxed_topk is not None else cfg.relaxed_topk
-            fl[3 * b + i] = sp.relaxed_delta if sp.relaxed_delta is not None else cfg.relaxed_delta
+            a["greedy"][i], a["relaxed"][i], a["relaxed_topk"][i], _, fl[3 * b + i] = self._accept_row(s.request)
             (a["top_k"][i], a["seeds"][i], a["offsets"][i]), (fl[i], fl[b + i], fl[2 * b + i]) = \
                 sampling_row(s.request, self.vocab_size)
         # the step's tokens as prepare() laid them out: ext holds each row's tokens from column 0, drafts
@@ -137,6 +122,56 @@ class SpecDecodeRunner(ModelRunner):
         return _SpecStaged(offs.tolist(), b, w, reqs, all_greedy, needs_filter, int(a["relaxed_topk"].max()),
                            all_greedy and not bool(a["relaxed"].any()))
 
+    def _accept_row(self, req) -> tuple[int, int, int, int, float]:
+        """One request's acceptance settings: greedy, relaxed, relaxed top-k, thinking now, relaxed delta."""
+        sp, cfg = req.params, self.spec
+        relaxed = cfg.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None else sp.relaxed_acceptance
+        return (int(sp.greedy), int(relaxed), sp.relaxed_topk if sp.relaxed_topk is not None else cfg.relaxed_topk,
+                int(req.thinking), sp.relaxed_delta if sp.relaxed_delta is not None else cfg.relaxed_delta)
+
+    def _row_params(self, sched, rows: int, ints: dict, floats: dict) -> tuple:
+        """A graph step's per-row sampling and acceptance settings (padding rows: greedy, nothing to accept)
+        -> the switches of its graph (simple greedy, all greedy, top-k/p filtering, largest relaxed top-k)."""
+        sampling_fields(sched, rows, self.vocab_size, ints, floats)
+        cols: list[list] = [[], [], [], [], []]
+        for s in sched:
+            for c, v in zip(cols, self._accept_row(s.request)):
+                c.append(v)
+        pad = rows - len(sched)
+        ints["can_accept"] = [int(s.sample) for s in sched] + [0] * pad  # samplers verify and draft
+        for name, c, v in zip(("greedy", "relaxed", "relaxed_topk", "thinking"), cols, (1, 0, 1, 0)):
+            ints[name] = c + [v] * pad
+        floats["relaxed_delta"] = cols[4] + [0.0] * pad
+        all_greedy, needs_filter = sampling_switches([s.request for s in sched])
+        max_topk = max(ints["relaxed_topk"])
+        return all_greedy and not any(ints["relaxed"]), all_greedy, needs_filter, max_topk
+
+    def _graph_step_inputs(self, rec, switches: tuple):
+        """Inside a graph step: ``_step``'s arguments from the record (what ``_stage_spec`` builds on the host
+        for a packed step). Row r's tokens sit at flat r * q ...; its verified positions are its last
+        ``num_drafts + 1`` tokens."""
+        f, e, inp = self.graph_views(rec)
+        q, d = rec.q, self.num_drafts
+        count, nd = f["count"], f["num_drafts"]  # [B]
+        base_col = count - 1 - nd  # [B]: column of the last known token
+        t0 = e.last - base_col - nd  # [B]: r * q
+        j = torch.arange(d + 1, device=count.device)
+        verify_idx = t0[:, None] + torch.minimum(base_col[:, None] + j, (count - 1)[:, None])  # [B, D+1]
+        k = j[:d]
+        dcol = torch.clamp(base_col[:, None] + 1 + k, max=q - 1)  # [B, D]
+        drafts = torch.where(k < nd[:, None], e.tokens.gather(1, dcol), 0)  # [B, D]
+        ext = torch.nn.functional.pad(e.tokens, (0, d + 2))  # [B, q + D + 2]
+        t = dict(verify_idx=verify_idx, drafts=drafts, num_drafts=nd, base_col=base_col, t0=t0, start=f["start"],
+                 ext=ext)
+        simple_greedy, _, _, max_topk = switches
+        acc = AcceptInputs(
+            sampling=inp.sampling, greedy=f["greedy"], can_accept=f["can_accept"], relaxed=f["relaxed"],
+            relaxed_topk=f["relaxed_topk"], relaxed_delta=f["relaxed_delta"], thinking=f["thinking"],
+            begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1], max_topk=max_topk,
+            simple_greedy=simple_greedy, remove_rejected=self.remove_rejected,
+        )
+        return inp, t, acc, q + d + 2
+
     def _spec_views(self, st: _SpecStaged):
         """Device views of staged acceptance and drafting inputs -> (named int views, AcceptInputs, w)."""
         o, b = st.offsets, st.rows
@@ -156,19 +191,14 @@ class SpecDecodeRunner(ModelRunner):
 
     @torch.inference_mode()
     def _execute(self, batch: SchedulerOutput, layout: GraphLayout | None) -> list[RowResult]:
-        st = self.stage(batch, with_sampling=False, layout=layout)
         sched = batch.scheduled
-        spec = self._stage_spec(batch, st.q, st.rows)
         self._host_rows = sched  # test heads read the scheduled rows; device heads never do
-
-        def step() -> torch.Tensor:  # a graph replay reads the staged inputs in place: views only to capture
-            return self._step(self.views(st), *self._spec_views(spec))
-
         if layout is None:
-            out = step()
-        else:
-            key = (layout, spec.simple_greedy, spec.all_greedy, spec.needs_filter, spec.max_topk)
-            out = self.graphs.run(key, step)
+            st = self.stage(batch, with_sampling=False)
+            out = self._step(self.views(st), *self._spec_views(self._stage_spec(batch, st.q)))
+        else:  # a replay reads the staged record in place: views are made only to capture
+            rec, switches = self.stage_graph(batch, layout)
+            out = self.graphs.run((layout, *switches), lambda: self._step(*self._graph_step_inputs(rec, switches)))
         d = self.num_drafts
         results = []
         for s, row in zip(sched, out.tolist()):  # the one device -> host copy

@@ -1,0 +1,125 @@
+"""Inputs of a CUDA-graph step: a compact record per row on the host, expanded on the device.
+
+A graph step's shapes are fixed by its ``GraphLayout`` (rows padded to a captured size, ``q`` tokens per row,
+block tables ``table_width`` wide). For it the host writes only what it alone knows, per row: the first
+position, the token count, the number of drafts among those tokens, the tokens themselves (padded to ``q``),
+the block-table row (padded with the pad block), and per-row parameters (sampling, acceptance). All of it
+goes into the pinned staging buffer with one assignment and reaches the device with one copy. Everything
+else a step reads — positions, cache slots, the query layout, each row's last token, and for speculation
+the verified positions, the drafts and the draft loop's token table — is computed from the record by a few
+tensor ops at the start of the captured step.
+
+On the GPU machine the host is slow (numpy calls and CUDA copies cost several microseconds each): building
+every array on the host took 160 µs per plain step and 340 µs per speculative one, about a quarter of
+the step; the record takes a few calls. Packed (eager) steps keep building their arrays on the host
+(``ModelRunner.stage``); tests check that both give the same tokens.
+
+Dummy rows (padding up to the captured batch size) are rows of one token at position 0 that read and write
+only the pad block; tokens past a row's count are padding at position = their column, writing the pad block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from specserve.cache.kv_cache import PAD_BLOCK
+from specserve.config import cdiv
+
+
+@dataclass
+class Record:
+    """A staged record: where each field sits in the int64 staging buffer (floats in float64 slots)."""
+
+    rows: int  # B (padded)
+    q: int  # tokens per row
+    table_width: int  # M
+    fields: dict[str, tuple[int, int]]  # name -> (offset, length) among the int64 slots
+    float_fields: dict[str, tuple[int, int]]  # name -> (offset, length) among the float64 slots
+    size: int  # slots used
+    requests: list  # the scheduled requests (their sampling parameters)
+
+
+def row_fields(sched, rows: int, q: int, width: int, block_size: int, lookahead: int) -> dict[str, list[int]]:
+    """The layout fields as Python lists: start, count, num_drafts [B]; tokens [B * q]; tables [B * M]."""
+    start, count, nd, tokens, tables = [], [], [], [], []
+    for s in sched:
+        req = s.request
+        known = s.num_tokens - s.num_drafts
+        tokens += req.token_ids[s.start:s.start + known]
+        if s.num_drafts:
+            tokens += req.spec_token_ids[:s.num_drafts]
+        tokens += [0] * (q - s.num_tokens)
+        nb = min(len(req.block_ids), cdiv(s.start + s.num_tokens + lookahead, block_size))
+        tables += req.block_ids[:nb]
+        tables += [PAD_BLOCK] * (width - nb)
+        start.append(s.start)
+        count.append(s.num_tokens)
+        nd.append(s.num_drafts)
+    pad = rows - len(sched)
+    return dict(start=start + [0] * pad, count=count + [1] * pad, num_drafts=nd + [0] * pad,
+                tokens=tokens + [0] * (pad * q), tables=tables + [PAD_BLOCK] * (pad * width))
+
+
+def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, list],
+                 floats: dict[str, list[float]]) -> Record:
+    """Write the fields into ``staging`` (one assignment for the integers, one for the floats) and upload
+    them in one copy."""
+    n_int = sum(len(v) for v in ints.values())
+    n_float = sum(len(v) for v in floats.values())
+    buf = staging.reserve(n_int + n_float)
+    buf[:n_int] = list(chain.from_iterable(ints.values()))
+    if n_float:
+        buf[n_int:n_int + n_float].view(np.float64)[:] = list(chain.from_iterable(floats.values()))
+    staging.upload(n_int + n_float)
+    return Record(rows, q, width, _offsets(ints, 0), _offsets(floats, n_int), n_int + n_float,
+                  [s.request for s in sched])
+
+
+def _offsets(fields: dict[str, list], at: int) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name, v in fields.items():
+        out[name] = (at, len(v))
+        at += len(v)
+    return out
+
+
+def record_views(staging, rec: Record) -> dict[str, torch.Tensor]:
+    """Device views of a record's fields: integers as int64, floats as float32 (one conversion)."""
+    dev = staging.view(rec.size)
+    out = {name: dev[o:o + n] for name, (o, n) in rec.fields.items()}
+    if rec.float_fields:
+        first = min(o for o, _ in rec.float_fields.values())
+        flo = dev[first:rec.size].view(torch.float64).float()  # [F]
+        out.update({name: flo[o - first:o - first + n] for name, (o, n) in rec.float_fields.items()})
+    return out
+
+
+@dataclass
+class Expanded:
+    """What the device derives from the layout fields (B rows of q tokens)."""
+
+    tokens: torch.Tensor  # [B, q] int64
+    positions: torch.Tensor  # [B, q] int64 (padding: its column)
+    slots: torch.Tensor  # [B, q] int64: cache slot each token writes (padding: the pad block)
+    flat: torch.Tensor  # [B * q] int64: 0 .. B*q - 1 (every token is its own query)
+    last: torch.Tensor  # [B] int64: flat index of each row's last token
+    tables: torch.Tensor  # [B, M] int64
+
+
+def expand(f: dict[str, torch.Tensor], rows: int, q: int, width: int, block_size: int) -> Expanded:
+    """Positions, slots and the query layout from a record's start / count / tokens / tables."""
+    dev = f["start"].device
+    col = torch.arange(q, device=dev)  # [q]
+    count = f["count"]  # [B]
+    real = col < count[:, None]  # [B, q]
+    pos = torch.where(real, f["start"][:, None] + col, col)  # [B, q]
+    tables = f["tables"].view(rows, width)
+    blk = torch.where(real, tables.gather(1, torch.where(real, pos // block_size, 0)), PAD_BLOCK)  # [B, q]
+    slots = blk * block_size + pos % block_size
+    flat = torch.arange(rows * q, device=dev)
+    last = flat.view(rows, q)[:, 0] + count - 1
+    return Expanded(f["tokens"].view(rows, q), pos, slots, flat, last, tables)
