@@ -3,10 +3,11 @@
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [kernels] [default] [throughput] [scale] [attention] [sweep] [spec16] [hf4]
-#                                [profile] [host]
+#                                [profile] [host] [cprofile] [humaneval]
 # Stage limits (s): tests 240, default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
 # ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120,
-# scale 300, attention 230, spec16 180, hf4 200, profile 150, kernels 120, sweep 240, host 150. (scale ran out of 200 s once, printing nothing.)
+# scale 300, attention 230, spec16 180, hf4 200, profile 150, kernels 120, sweep 240, host 150, cprofile 150, humaneval 150
+# (humaneval needs .traindata carried). (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -25,6 +26,8 @@ for st in $stages; do
              tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
     kernels) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -8 ;;
     host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --json $OUT/host.json 2>&1 | quiet | tail -16 ;;
+    cprofile) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --repeats 1 --num-prompts 4 \
+             --cprofile 30 --json $OUT/host-cprofile.json 2>&1 | quiet | tail -100 ;;
     sweep) timeout 240 python3 benchmarks/bench_attention.py --sweep --json $OUT/sweep.json 2>&1 | grep -v Warning | tail -16 ;;
     default) timeout 580 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf hf-compile --out $OUT/default 2>&1 | quiet | tail -22 ;;
@@ -35,6 +38,9 @@ for st in $stages; do
              timeout 110 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
     spec16) timeout 180 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
+    humaneval) timeout 150 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --prompts .traindata/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 16 --repeats 3 \
+             --out $OUT/humaneval 2>&1 | quiet | tail -12 ;;
     hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 4 --repeats 2 --compare hf hf-compile --out $OUT/hf4 2>&1 | quiet | tail -16 ;;
     profile) mkdir -p $OUT/profile

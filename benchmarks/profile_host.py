@@ -9,6 +9,7 @@ into per-row results), update (scheduler bookkeeping), detokenize, outputs (``Re
 the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each.
 
     python benchmarks/profile_host.py [--model M] [--draft HEAD] [--num-prompts 16] [--max-tokens 256]
+                                      [--cprofile N]   (also: cProfile's N costliest functions of one more run)
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class _TimedTensor:
         return out
 
 
-def run(model, draft, prompts, max_tokens: int, repeats: int) -> dict:
+def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0) -> dict:
     spec = dict(method="eagle3", draft_model=draft, max_draft_len=4) if draft else None
     llm = LLM(model, speculative_config=spec, max_num_seqs=1)
     eng = llm.engine
@@ -79,9 +80,7 @@ def run(model, draft, prompts, max_tokens: int, repeats: int) -> dict:
     tm.wrap(eng.scheduler, "update", "update")
     tm.wrap(eng, "_detokenize", "detokenize")
     tm.wrap(eng, "_output", "outputs")
-    tm.wrap(runner, "stage", "stage")
-    if hasattr(runner, "_stage_spec"):
-        tm.wrap(runner, "_stage_spec", "stage")
+    tm.wrap(runner, "stage_graph", "stage")
     tm.wrap(runner, "execute", "execute")
     tm.wrap(eng, "step", "step")
     if runner.graphs is not None:
@@ -113,6 +112,21 @@ def run(model, draft, prompts, max_tokens: int, repeats: int) -> dict:
         if best is None or wall < best["wall_s"]:
             best = res
     gc.callbacks.remove(tm.gc_callback)
+    if cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        steps0 = eng.num_steps
+        pr.enable()
+        llm.generate([{"prompt_token_ids": x} for x in ids], sp)
+        pr.disable()
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(cprofile)
+        print(f"cProfile, speculation {'on' if draft else 'off'}, {eng.num_steps - steps0} steps "
+              "(tottime: seconds in the function itself):")
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-6000:])
     p = best["us_per_step"]
     p["wall"] = best["wall_s"] / best["steps"] * 1e6
     p["results"] = p.get("execute", 0) - p.get("stage", 0) - p.get("launch", 0) - p.get("wait", 0)
@@ -134,6 +148,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cprofile", type=int, default=0, help="print cProfile's N costliest functions")
     a = ap.parse_args()
     from specserve.heads import default_speculative_config
 
@@ -141,7 +156,7 @@ def main() -> None:
     prompts = DEFAULT_PROMPTS[:a.num_prompts]
     out = {}
     for name, d in (("off", None), ("on", draft)):
-        out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats)
+        out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile)
     keys = ["wall", "step", "schedule", "stage", "launch", "wait", "results", "update", "detokenize", "outputs",
             "step_other", "generate_other"]
     print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))

@@ -108,8 +108,8 @@ def check_attention(device, dtype):
         q = torch.randn(t, hq, d, generator=g).to(device, dtype)
         args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
         ref = paged_attention_sdpa(*args)
-        # 640 table positions: 3 splits with partial sums and the merge kernel; forced to one split, the split
-        # kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
+        # 640 table positions: several splits with partial sums and the merge kernel; forced to one split, the
+        # split kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
         _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
         _close(paged_attention_triton(*args, num_splits=1), ref, dtype, f"paged attention, 1 split {hq}/{hkv}/{d}")
         # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)

@@ -10,8 +10,8 @@ Work split: one program per (row, query tile, KV head, key split). The query hea
 queries costs about what a decode step costs. Keys are split in ranges of ``SPLIT`` positions so that a
 batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
 once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions
-one program covers them all and writes the output itself: no partial buffers, no second launch (a short
-context gains nothing from splitting, and a launch is a fixed cost in a step of a few hundred kernels).
+one program covers them all and writes the output itself: no partial buffers, no second launch (there a
+launch costs more than splitting saves; past it, the sweep found the opposite).
 Positions are read on the device, so the launch shape depends only on host-known sizes and the step can be
 captured in a CUDA graph.
 """
@@ -30,9 +30,15 @@ except ImportError:
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SPLIT = 256  # key positions per split
-ONE_SPLIT_KEYS = 512  # block tables up to this many positions: one split, no merge kernel
-BLOCK_N = 64  # key positions per inner iteration
+# Launch choices, from a sweep on the H200 (bf16, batch 1, 1 and 5 queries, SmolLM2-135M and Llama-3.1-8B
+# shapes, 30 calls in one CUDA graph; docs/BENCHMARKS.md): a program walks its keys one dependent load after
+# another, so fewer, wider iterations and more programs win even at the price of the merge kernel: at 512
+# table positions 4 splits of 128 keys took 6.8 us against 11.3 us for one split in 64-key iterations.
+SPLIT = 256  # key positions per split past MIN_SPLITS splits
+MIN_SPLITS = 4  # a table past ONE_SPLIT_KEYS positions splits at least this many ways
+ONE_SPLIT_KEYS = 256  # block tables up to this many positions: one split, no merge kernel
+BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
+BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
@@ -40,7 +46,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
                            block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
-    positions and to ``SPLIT`` positions per split past that; ``block_n`` (keys per inner iteration, default
+    positions and past that to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
     ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``)."""
     t, hq, d = q.shape
@@ -57,9 +63,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     n_qt = triton.cdiv(qw, qpt)
     keys = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = 1 if keys <= ONE_SPLIT_KEYS else triton.cdiv(keys, SPLIT)
+        num_splits = 1 if keys <= ONE_SPLIT_KEYS else max(MIN_SPLITS, triton.cdiv(keys, SPLIT))
     # key positions per split: a power of two (few compiled variants) covering the table
-    block_n = block_n or BLOCK_N
+    block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
     launch = {} if num_warps is None else {"num_warps": num_warps}
     final = num_splits == 1  # the split kernel normalises and writes the output itself
