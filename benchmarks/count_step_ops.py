@@ -20,6 +20,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 
 NOT_WORK = {"view", "_unsafe_view", "reshape", "as_strided", "t", "expand", "select", "slice", "unsqueeze",
             "squeeze", "permute", "transpose", "detach", "alias", "lift_fresh", "split", "unbind", "chunk",
@@ -64,6 +65,9 @@ def main() -> None:
         if a.spec else {}
     llm = LLM(a.model, device="cpu", dtype="float32", num_kv_blocks=64, **kw)
     eng = llm.engine
+    # the graph layout a CUDA engine replays (run eagerly here): its inputs are expanded from the step's record
+    # on the device, which the count includes (phase "prepare")
+    eng.runner.graphs = CudaGraphs(1, eng.runner._staging_buffers(), capture=False)
     eng.add_request(list(range(10, 10 + a.context)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     for _ in range(3):  # prefill, then generation steps
         eng.step()

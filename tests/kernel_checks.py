@@ -15,6 +15,7 @@ from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
+from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -176,8 +177,32 @@ def check_embed_norm_cat(device, dtype):
         _close(got, ref, dtype, "embed_norm_cat")
 
 
+@kernel_check
+def check_step_inputs(device, dtype):
+    """A graph step's record expanded in one kernel == the PyTorch ops (exact: integers and flags)."""
+    g = torch.Generator().manual_seed(7)
+    for b, q, m, d in ((1, 1, 16, None), (3, 5, 32, 4), (8, 5, 64, 4), (1, 64, 16, 4), (4, 3, 16, 2)):
+        real = max(1, b - 1)  # the last row is a dummy when b > 1
+        count = torch.randint(1, q + 1, (b,), generator=g)
+        count[real:] = 1
+        nd = torch.minimum(torch.randint(0, (d or 0) + 1, (b,), generator=g), count - 1)
+        nd[real:] = 0
+        start = torch.randint(0, 16 * m - 2 * q, (b,), generator=g)
+        start[real:] = 0
+        tokens = torch.randint(0, 1000, (b, q), generator=g) * (torch.arange(q) < count[:, None])
+        tables = torch.randint(1, 500, (b, m), generator=g)
+        flags = torch.randint(0, 2, (4, b), generator=g) if d else None
+        args = [x.to(device) for x in (start, count, nd, tokens, tables)]
+        kw = dict(num_drafts=d, flags=flags.to(device)) if d else {}
+        got = expand_record(*args, 16, **kw)
+        ref = expand_record_ref(*args, 16, **kw)
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), f"step inputs {k} {b}x{q} D={d}"
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat]
+          check_embed_norm_cat, check_step_inputs]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

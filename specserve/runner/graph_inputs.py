@@ -6,8 +6,8 @@ position, the token count, the number of drafts among those tokens, the tokens t
 the block-table row (padded with the pad block), and per-row parameters (sampling, acceptance). All of it
 goes into the pinned staging buffer with one assignment and reaches the device with one copy. Everything
 else a step reads — positions, cache slots, the query layout, each row's last token, and for speculation
-the verified positions, the drafts and the draft loop's token table — is computed from the record by a few
-tensor ops at the start of the captured step.
+the verified positions, the drafts and the draft loop's token table — is computed from the record at the
+start of the captured step, by one kernel (``specserve.kernels.step_inputs``).
 
 On the GPU machine the host is slow (numpy calls and CUDA copies cost several microseconds each): building
 every array on the host took 160 µs per plain step and 340 µs per speculative one, about a quarter of
@@ -96,30 +96,3 @@ def record_views(staging, rec: Record) -> dict[str, torch.Tensor]:
         flo = dev[first:rec.size].view(torch.float64).float()  # [F]
         out.update({name: flo[o - first:o - first + n] for name, (o, n) in rec.float_fields.items()})
     return out
-
-
-@dataclass
-class Expanded:
-    """What the device derives from the layout fields (B rows of q tokens)."""
-
-    tokens: torch.Tensor  # [B, q] int64
-    positions: torch.Tensor  # [B, q] int64 (padding: its column)
-    slots: torch.Tensor  # [B, q] int64: cache slot each token writes (padding: the pad block)
-    flat: torch.Tensor  # [B * q] int64: 0 .. B*q - 1 (every token is its own query)
-    last: torch.Tensor  # [B] int64: flat index of each row's last token
-    tables: torch.Tensor  # [B, M] int64
-
-
-def expand(f: dict[str, torch.Tensor], rows: int, q: int, width: int, block_size: int) -> Expanded:
-    """Positions, slots and the query layout from a record's start / count / tokens / tables."""
-    dev = f["start"].device
-    col = torch.arange(q, device=dev)  # [q]
-    count = f["count"]  # [B]
-    real = col < count[:, None]  # [B, q]
-    pos = torch.where(real, f["start"][:, None] + col, col)  # [B, q]
-    tables = f["tables"].view(rows, width)
-    blk = torch.where(real, tables.gather(1, torch.where(real, pos // block_size, 0)), PAD_BLOCK)  # [B, q]
-    slots = blk * block_size + pos % block_size
-    flat = torch.arange(rows * q, device=dev)
-    last = flat.view(rows, q)[:, 0] + count - 1
-    return Expanded(f["tokens"].view(rows, q), pos, slots, flat, last, tables)

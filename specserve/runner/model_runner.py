@@ -17,7 +17,8 @@ from specserve.config import cdiv
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
-from specserve.runner.graph_inputs import Expanded, Record, expand, record_views, row_fields, stage_record
+from specserve.kernels.step_inputs import expand_record
+from specserve.runner.graph_inputs import Record, record_views, row_fields, stage_record
 from specserve.runner.sampler import SamplingTensors, sample
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -314,15 +315,17 @@ class ModelRunner:
         sampling_fields(sched, rows, self.vocab_size, ints, floats)
         return sampling_switches([s.request for s in sched])
 
-    def graph_views(self, rec: Record) -> tuple[dict, Expanded, StepInputs]:
-        """Inside a graph step: the record's device views, what the device derives from them, and the step's
-        inputs."""
+    def graph_views(self, rec: Record) -> tuple[dict, dict, StepInputs]:
+        """Inside a graph step: the record's device views, what the device derives from them
+        (``expand_record``), and the step's inputs."""
         f = record_views(self._ints, rec)
-        e = expand(f, rec.rows, rec.q, rec.table_width, self.block_size)
+        b, q = rec.rows, rec.q
+        tables = f["tables"].view(b, rec.table_width)
+        x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,
+                          **self._expand_args(f, rec))
         meta = AttentionMetadata(
-            slot_mapping=e.slots.view(-1), block_tables=e.tables, query_index=e.flat.view(rec.rows, rec.q),
-            query_pos=e.positions, flat_index=e.flat, sliding_window=self.sliding_window,
-            backend=self.attention_backend,
+            slot_mapping=x["slots"].view(-1), block_tables=tables, query_index=x["flat"], query_pos=x["positions"],
+            flat_index=x["flat"].view(-1), sliding_window=self.sliding_window, backend=self.attention_backend,
         )
         sampling = None
         if "top_k" in f:
@@ -330,8 +333,12 @@ class ModelRunner:
             sampling = SamplingTensors(temperature=f["temperature"], top_p=f["top_p"], min_p=f["min_p"],
                                        top_k=f["top_k"], seeds=f["seeds"], offsets=f["offsets"],
                                        all_greedy=all_greedy, needs_filter=needs_filter)
-        return f, e, StepInputs(input_ids=e.tokens.view(-1), positions=e.positions.view(-1), meta=meta,
-                                logits_indices=e.last, sampling=sampling)
+        return f, x, StepInputs(input_ids=f["tokens"], positions=x["positions"].view(-1), meta=meta,
+                                logits_indices=x["last"], sampling=sampling)
+
+    def _expand_args(self, f: dict, rec: Record) -> dict:
+        """What ``expand_record`` derives beyond the layout (the speculative runner's drafting inputs)."""
+        return {}
 
     def views(self, st: Staged) -> StepInputs:
         """Device views of a staged step's inputs."""

@@ -138,39 +138,35 @@ class SpecDecodeRunner(ModelRunner):
             for c, v in zip(cols, self._accept_row(s.request)):
                 c.append(v)
         pad = rows - len(sched)
-        ints["can_accept"] = [int(s.sample) for s in sched] + [0] * pad  # samplers verify and draft
-        for name, c, v in zip(("greedy", "relaxed", "relaxed_topk", "thinking"), cols, (1, 0, 1, 0)):
-            ints[name] = c + [v] * pad
+        # the four flags in one field, [4, B]: the step's expansion kernel turns them into booleans
+        ints["flags"] = [int(s.sample) for s in sched] + [0] * pad  # can accept: samplers verify and draft
+        for c, v in zip((cols[0], cols[1], cols[3]), (1, 0, 0)):  # greedy, relaxed, thinking now
+            ints["flags"] += c + [v] * pad
+        ints["relaxed_topk"] = cols[2] + [1] * pad
         floats["relaxed_delta"] = cols[4] + [0.0] * pad
         all_greedy, needs_filter = sampling_switches([s.request for s in sched])
         max_topk = max(ints["relaxed_topk"])
-        return all_greedy and not any(ints["relaxed"]), all_greedy, needs_filter, max_topk
+        return all_greedy and not any(cols[1]), all_greedy, needs_filter, max_topk
+
+    def _expand_args(self, f: dict, rec) -> dict:
+        return dict(num_drafts=self.num_drafts, flags=f["flags"].view(4, rec.rows))
 
     def _graph_step_inputs(self, rec, switches: tuple):
-        """Inside a graph step: ``_step``'s arguments from the record (what ``_stage_spec`` builds on the host
-        for a packed step). Row r's tokens sit at flat r * q ...; its verified positions are its last
-        ``num_drafts + 1`` tokens."""
-        f, e, inp = self.graph_views(rec)
-        q, d = rec.q, self.num_drafts
-        count, nd = f["count"], f["num_drafts"]  # [B]
-        base_col = count - 1 - nd  # [B]: column of the last known token
-        t0 = e.last - base_col - nd  # [B]: r * q
-        j = torch.arange(d + 1, device=count.device)
-        verify_idx = t0[:, None] + torch.minimum(base_col[:, None] + j, (count - 1)[:, None])  # [B, D+1]
-        k = j[:d]
-        dcol = torch.clamp(base_col[:, None] + 1 + k, max=q - 1)  # [B, D]
-        drafts = torch.where(k < nd[:, None], e.tokens.gather(1, dcol), 0)  # [B, D]
-        ext = torch.nn.functional.pad(e.tokens, (0, d + 2))  # [B, q + D + 2]
-        t = dict(verify_idx=verify_idx, drafts=drafts, num_drafts=nd, base_col=base_col, t0=t0, start=f["start"],
-                 ext=ext)
+        """Inside a graph step: ``_step``'s arguments from the record and its expansion (what ``_stage_spec``
+        builds on the host for a packed step)."""
+        f, x, inp = self.graph_views(rec)
+        can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)  # [B] bool each
+        t = dict(verify_idx=x["verify_idx"], drafts=x["drafts"], num_drafts=f["num_drafts"], base_col=x["base_col"],
+                 t0=x["t0"], start=f["start"], ext=x["ext"], row_of_token=x["row_of_token"].view(-1),
+                 col_of_token=x["col_of_token"].reshape(-1))
         simple_greedy, _, _, max_topk = switches
         acc = AcceptInputs(
-            sampling=inp.sampling, greedy=f["greedy"], can_accept=f["can_accept"], relaxed=f["relaxed"],
-            relaxed_topk=f["relaxed_topk"], relaxed_delta=f["relaxed_delta"], thinking=f["thinking"],
+            sampling=inp.sampling, greedy=greedy, can_accept=can_accept, relaxed=relaxed,
+            relaxed_topk=f["relaxed_topk"], relaxed_delta=f["relaxed_delta"], thinking=thinking,
             begin_token=self.thinking_tokens[0], end_token=self.thinking_tokens[1], max_topk=max_topk,
             simple_greedy=simple_greedy, remove_rejected=self.remove_rejected,
         )
-        return inp, t, acc, q + d + 2
+        return inp, t, acc, rec.q + self.num_drafts + 2
 
     def _spec_views(self, st: _SpecStaged):
         """Device views of staged acceptance and drafting inputs -> (named int views, AcceptInputs, w)."""
@@ -229,8 +225,10 @@ class SpecDecodeRunner(ModelRunner):
         bonus = emitted[rows, accepted]
         ext[rows, last_col + 1] = torch.where(sample_row, bonus, ext[rows, last_col + 1])
         flat = inp.meta.flat_index
+        row_of_token = t["row_of_token"] if "row_of_token" in t else flat // q  # [T] (a graph step's expansion
+        col_of_token = t["col_of_token"] if "col_of_token" in t else flat % q  # made them)
         x = DraftInputs(
-            ids_ext=ext, row_of_token=flat // q, col_of_token=flat % q, positions=inp.positions, meta=inp.meta,
+            ids_ext=ext, row_of_token=row_of_token, col_of_token=col_of_token, positions=inp.positions, meta=inp.meta,
             hidden=hidden, aux=aux, last_idx=t["t0"] + last_col, last_col=last_col, last_pos=t["start"] + last_col,
             block_tables=inp.meta.block_tables, draft_ok=sample_row, block_size=self.block_size, num_drafts=d,
             host_rows=self._host_rows,
