@@ -15,6 +15,7 @@ from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
+from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -201,8 +202,34 @@ def check_step_inputs(device, dtype):
             assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), f"step inputs {k} {b}x{q} D={d}"
 
 
+@kernel_check
+def check_draft_inputs(device, dtype):
+    """The draft loop's inputs after acceptance in one kernel == the PyTorch ops (exact), for a graph layout
+    (every row q tokens) and a packed one (rows of different lengths), with rows that do not draft."""
+    g = torch.Generator().manual_seed(8)
+    for b, q, d, packed in ((1, 5, 4, False), (6, 5, 4, False), (5, 7, 3, True), (3, 2, 1, False), (40, 5, 4, False)):
+        w, m, bs = q + d + 2, 8, 16
+        counts = torch.randint(1, q + 1, (b,), generator=g) if packed else torch.full((b,), q)
+        nd = torch.minimum(torch.randint(0, d + 1, (b,), generator=g), counts - 1)
+        base_col = counts - 1 - nd
+        accepted = (torch.rand(b, generator=g) * (nd + 1)).long()
+        row = torch.repeat_interleave(torch.arange(b), counts)
+        col = torch.cat([torch.arange(int(c)) for c in counts])
+        ext = torch.randint(0, 1000, (b, w), generator=g)
+        args = [accepted, torch.randint(0, 1000, (b, d + 1), generator=g), base_col,
+                torch.cumsum(counts, 0) - counts, torch.randint(0, 100, (b,), generator=g), ext,
+                torch.rand(b, generator=g) < 0.7, torch.randint(1, 60, (b, m), generator=g), row, col]
+        args = [x.to(device) for x in args]
+        for max_pos in (10_000, 60):  # the second clamps chain positions
+            got = draft_inputs(*args, bs, d, max_pos)
+            ref = draft_inputs_ref(*args, bs, d, max_pos)
+            assert got.keys() == ref.keys()
+            for k in ref:
+                assert torch.equal(got[k], ref[k]), f"draft inputs {k} b={b} q={q} d={d} packed={packed}"
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat, check_step_inputs]
+          check_embed_norm_cat, check_step_inputs, check_draft_inputs]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

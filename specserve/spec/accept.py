@@ -85,10 +85,10 @@ def accept(
     b, d1, v = logits.shape
     d = d1 - 1
     argmax = argmax_lastdim(logits)  # [B, D+1]: also the argmax of every processed distribution
+    if a.simple_greedy and forced is None:
+        return greedy_accept(argmax, drafts, num_drafts, a.can_accept)  # one kernel on the GPU
     rows = torch.arange(b, device=logits.device)
     if a.simple_greedy:
-        if forced is None:
-            return greedy_accept(argmax, drafts, num_drafts, a.can_accept)  # one kernel on the GPU
         accepted = _forced(forced, num_drafts, a)
         return accepted, emit(drafts, argmax[rows, accepted], accepted)
     cols = torch.arange(d, device=logits.device)

@@ -44,6 +44,9 @@ class DraftInputs:
     block_size: int
     num_drafts: int  # D
     host_rows: list[Any] = field(default_factory=list)  # scheduled rows; for test heads only, never device heads
+    # made by the worker's one-kernel set-up (``kernels.draft_inputs``); the loop derives them itself when None
+    step0_ids: torch.Tensor | None = None  # [T] int64: ids_ext[row_of_token, col_of_token + 1]
+    chain: tuple[torch.Tensor, torch.Tensor] | None = None  # positions, cache slots of chain steps 1.. [K, B]
 
 
 class DraftHead(nn.Module):
@@ -101,7 +104,7 @@ class DraftHead(nn.Module):
 
     # --- the draft loop (chain: step 0 over every verified token, then one-token steps) ----------
     def step0(self, x: DraftInputs, kv: list) -> torch.Tensor:
-        ids = x.ids_ext[x.row_of_token, x.col_of_token + 1]  # [T]: token at position + 1
+        ids = x.step0_ids if x.step0_ids is not None else x.ids_ext[x.row_of_token, x.col_of_token + 1]  # [T]
         h = self.first_hidden(x.hidden, x.aux)
         return self.run_module(0, ids, x.positions, h, x.meta, kv[self.kv_layer(0)])  # [T, H]
 
@@ -111,13 +114,16 @@ class DraftHead(nn.Module):
         b = x.last_pos.shape[0]
         dev = x.last_pos.device
         rows = torch.arange(b, device=dev)
-        ks = torch.arange(1, max(2, x.num_drafts), device=dev)  # [K]
-        pos = torch.clamp(x.last_pos[:, None] + ks, max=self.target.rope.cos_cache.shape[0] - 1)  # [B, K]
-        m = x.block_tables.shape[1]
-        blk = x.block_tables.gather(1, torch.clamp(pos // x.block_size, max=m - 1))  # [B, K]
-        slot = torch.where(x.draft_ok[:, None], blk * x.block_size + pos % x.block_size,
-                           PAD_BLOCK * x.block_size)  # rows that do not draft write the pad block
-        pos_t, slot_t = pos.t().contiguous(), slot.t().contiguous()  # [K, B]: one contiguous row per step
+        if x.chain is not None:
+            pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
+        else:
+            ks = torch.arange(1, max(2, x.num_drafts), device=dev)  # [K]
+            pos = torch.clamp(x.last_pos[:, None] + ks, max=self.target.rope.cos_cache.shape[0] - 1)  # [B, K]
+            m = x.block_tables.shape[1]
+            blk = x.block_tables.gather(1, torch.clamp(pos // x.block_size, max=m - 1))  # [B, K]
+            slot = torch.where(x.draft_ok[:, None], blk * x.block_size + pos % x.block_size,
+                               PAD_BLOCK * x.block_size)  # rows that do not draft write the pad block
+            pos_t, slot_t = pos.t().contiguous(), slot.t().contiguous()
         return [(pos_t[k], slot_t[k], AttentionMetadata(
             slot_mapping=slot_t[k], block_tables=x.block_tables, query_index=rows[:, None], query_pos=pos_t[k, :, None],
             flat_index=rows, sliding_window=x.meta.sliding_window, backend=x.meta.backend))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from specserve.cache.kv_cache import KVCache
+from specserve.kernels.draft_inputs import draft_inputs
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, _Staging, sampling_fields,
                                           sampling_row, sampling_switches, sampling_tensors)
@@ -218,20 +219,19 @@ class SpecDecodeRunner(ModelRunner):
         logits = self.model.compute_logits(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
         sample_row = acc_in.can_accept
         accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced)
-        # draft
-        rows = torch.arange(b, device=self.device)
-        last_col = t["base_col"] + accepted  # [B]
-        ext = t["ext"].view(b, w).clone()
-        bonus = emitted[rows, accepted]
-        ext[rows, last_col + 1] = torch.where(sample_row, bonus, ext[rows, last_col + 1])
+        # draft: the draft table with the bonus token, the last accepted token, the chain's slots (one kernel)
         flat = inp.meta.flat_index
         row_of_token = t["row_of_token"] if "row_of_token" in t else flat // q  # [T] (a graph step's expansion
         col_of_token = t["col_of_token"] if "col_of_token" in t else flat % q  # made them)
+        s = draft_inputs(accepted, emitted, t["base_col"], t["t0"], t["start"], t["ext"].view(b, w), sample_row,
+                         inp.meta.block_tables, row_of_token, col_of_token, self.block_size, d,
+                         self.model.rope.cos_cache.shape[0] - 1)
         x = DraftInputs(
-            ids_ext=ext, row_of_token=row_of_token, col_of_token=col_of_token, positions=inp.positions, meta=inp.meta,
-            hidden=hidden, aux=aux, last_idx=t["t0"] + last_col, last_col=last_col, last_pos=t["start"] + last_col,
-            block_tables=inp.meta.block_tables, draft_ok=sample_row, block_size=self.block_size, num_drafts=d,
-            host_rows=self._host_rows,
+            ids_ext=s["ext"], row_of_token=row_of_token, col_of_token=col_of_token, positions=inp.positions,
+            meta=inp.meta, hidden=hidden, aux=aux, last_idx=s["last_idx"], last_col=s["last_col"],
+            last_pos=s["last_pos"], block_tables=inp.meta.block_tables, draft_ok=sample_row,
+            block_size=self.block_size, num_drafts=d, host_rows=self._host_rows, step0_ids=s["ids0"],
+            chain=(s["chain_pos"], s["chain_slot"]),
         )
         drafts = self.head.propose(x, self.head_kv)  # [B, D]
         return torch.cat((accepted[:, None], emitted, drafts), dim=1)
