@@ -19,6 +19,7 @@ import time
 import torch
 from triton.testing import do_bench
 
+from specserve.bench.steps import replay_ms
 from specserve.kernels.attention import (build_mask, flex_block_mask, paged_attention_flex, paged_attention_sdpa,
                                          paged_attention_triton)
 
@@ -40,7 +41,7 @@ def case(shape: str, batch: int, q: int, context: int, block: int = 16):
     return x, kc, vc, tables, qidx, qpos, d ** -0.5
 
 
-def graph_us(fn, calls: int = 30, replays: int = 50) -> float:
+def graph_us(fn, calls: int = 30) -> float:
     """Median time per call of ``fn`` captured ``calls`` times in one CUDA graph, in microseconds."""
     for _ in range(2):
         fn()
@@ -49,16 +50,7 @@ def graph_us(fn, calls: int = 30, replays: int = 50) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return replay_ms(g) * 1e3 / calls
 
 
 def sweep(json_path: str | None) -> None:

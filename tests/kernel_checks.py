@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from specserve import kernels
 from specserve.kernels import use_triton
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.argmax import CHUNK, argmax_lastdim
@@ -29,6 +30,7 @@ def kernel_check(fn):
         with torch.no_grad():
             assert use_triton(torch.empty(1, device=device)), "the Triton kernels are off for this device"
             fn(device, dtype)
+            assert not kernels.FAILED, f"kernels fell back to their references: {sorted(kernels.FAILED)}"
     return run
 
 

@@ -42,3 +42,30 @@ def test_engine_with_triton_kernels_matches_reference_in_interpreter():
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(": ok") == 4
+
+
+def test_a_kernel_that_does_not_build_falls_back_to_its_reference(monkeypatch, caplog):
+    """A Triton kernel that fails to build on a machine (a Triton version's limits, say) must not break the
+    engine: the caller runs the PyTorch reference, warns once, and the kernel checks then fail."""
+    from specserve import kernels
+    from specserve.kernels import step_inputs
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no such instruction")
+            return launch
+
+    monkeypatch.setattr(step_inputs, "use_triton", lambda x: True)
+    monkeypatch.setattr(step_inputs, "_expand_record_kernel", Broken(), raising=False)
+    monkeypatch.setattr(step_inputs, "triton", type("T", (), {"next_power_of_2": staticmethod(lambda n: n)}))
+    monkeypatch.setattr(kernels, "FAILED", set())
+    args = (torch.tensor([3, 0]), torch.tensor([2, 1]), torch.tensor([1, 0]), torch.tensor([[5, 6], [0, 0]]),
+            torch.tensor([[1, 2], [0, 0]]), 16)
+    with caplog.at_level("WARNING", logger="specserve"):
+        got = step_inputs.expand_record(*args, num_drafts=1, flags=torch.ones(4, 2, dtype=torch.int64))
+        step_inputs.expand_record(*args)
+    ref = step_inputs.expand_record_ref(*args, num_drafts=1, flags=torch.ones(4, 2, dtype=torch.int64))
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert kernels.FAILED == {"expand_record"}
+    assert sum("expand_record failed to build" in r.message for r in caplog.records) == 1

@@ -9,9 +9,13 @@ reference on random inputs (on the GPU machine, or on the CPU through Triton's i
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("specserve")
+FAILED: set[str] = set()  # kernels that did not build on this machine (their callers run the reference)
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,3 +34,17 @@ def use_triton(x: torch.Tensor) -> bool:
     if not triton_available() or torch.is_grad_enabled():
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_usable(name: str) -> bool:
+    """False once ``name`` failed to build here (see ``kernel_failed``)."""
+    return name not in FAILED
+
+
+def kernel_failed(name: str, err: Exception) -> None:
+    """A kernel the local Triton could not compile or launch: warn once; its caller falls back to the PyTorch
+    reference, so the engine keeps working (slower). The kernel checks fail if this ever happened."""
+    if name not in FAILED:
+        log.warning("Triton kernel %s failed to build (%s: %s); using its PyTorch reference", name,
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+    FAILED.add(name)

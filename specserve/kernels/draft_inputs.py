@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from specserve.cache.kv_cache import PAD_BLOCK
-from specserve.kernels import use_triton
+from specserve.kernels import kernel_failed, kernel_usable, use_triton
 
 try:
     import triton
@@ -51,7 +51,7 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
                  block_size: int, num_drafts: int, max_pos: int) -> dict[str, torch.Tensor]:
     """As ``draft_inputs_ref``, in one kernel on CUDA: B programs for the rows, then one per BLOCK_T tokens."""
     args = (accepted, emitted, base_col, t0, start, ext, draft_ok, tables, row_of_token, col_of_token)
-    if not use_triton(ext):
+    if not use_triton(ext) or not kernel_usable("draft_inputs"):
         return draft_inputs_ref(*args, block_size, num_drafts, max_pos)
     b, w = ext.shape
     t = row_of_token.shape[0]
@@ -62,10 +62,14 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
     ids0 = torch.empty(t, dtype=torch.int64, device=dev)
     chain = torch.empty(2, k, b, dtype=torch.int64, device=dev)  # positions, slots
     contig = [x.contiguous() for x in args]
-    _draft_inputs_kernel[(b + triton.cdiv(t, BLOCK_T),)](
-        *contig, ext_out, rows3, ids0, chain, b, w, t, tables.shape[1], k, max_pos, contig[1].stride(0),
-        BS=block_size, PAD=PAD_BLOCK, W_BLOCK=triton.next_power_of_2(w), K_BLOCK=triton.next_power_of_2(k),
-        BLOCK_T=BLOCK_T)
+    try:
+        _draft_inputs_kernel[(b + triton.cdiv(t, BLOCK_T),)](
+            *contig, ext_out, rows3, ids0, chain, b, w, t, tables.shape[1], k, max_pos, contig[1].stride(0),
+            BS=block_size, PAD=PAD_BLOCK, W_BLOCK=triton.next_power_of_2(w), K_BLOCK=triton.next_power_of_2(k),
+            BLOCK_T=BLOCK_T)
+    except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
+        kernel_failed("draft_inputs", e)
+        return draft_inputs_ref(*args, block_size, num_drafts, max_pos)
     return dict(ext=ext_out, last_col=rows3[0], last_idx=rows3[1], last_pos=rows3[2], ids0=ids0,
                 chain_pos=chain[0], chain_slot=chain[1])
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specserve.cache.kv_cache import PAD_BLOCK
-from specserve.kernels import use_triton
+from specserve.kernels import kernel_failed, kernel_usable, use_triton
 
 try:
     import triton
@@ -53,7 +53,7 @@ def expand_record_ref(start, count, nd, tokens, tables, block_size: int, num_dra
 def expand_record(start, count, nd, tokens, tables, block_size: int, num_drafts: int | None = None,
                   flags: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """As ``expand_record_ref``, in one kernel on CUDA."""
-    if not use_triton(tokens):
+    if not use_triton(tokens) or not kernel_usable("expand_record"):
         return expand_record_ref(start, count, nd, tokens, tables, block_size, num_drafts, flags)
     b, q = tokens.shape
     m = tables.shape[1]
@@ -69,10 +69,14 @@ def expand_record(start, count, nd, tokens, tables, block_size: int, num_drafts:
     ext = torch.empty(b, w, dtype=torch.int64, device=dev) if spec else last
     bflags = torch.empty(4, b, dtype=torch.bool, device=dev) if spec else last
     flags = flags if spec else last
-    _expand_record_kernel[(b,)](
-        start, count, nd, tokens, tables, flags, lay, last, ints, vidx, drafts, ext, bflags, b, q, m, w,
-        BS=block_size, PAD=PAD_BLOCK, Q_BLOCK=triton.next_power_of_2(q), SPEC=spec, D=d,
-        D_BLOCK=triton.next_power_of_2(d + 1), W_BLOCK=triton.next_power_of_2(w))
+    try:
+        _expand_record_kernel[(b,)](
+            start, count, nd, tokens, tables, flags, lay, last, ints, vidx, drafts, ext, bflags, b, q, m, w,
+            BS=block_size, PAD=PAD_BLOCK, Q_BLOCK=triton.next_power_of_2(q), SPEC=spec, D=d,
+            D_BLOCK=triton.next_power_of_2(d + 1), W_BLOCK=triton.next_power_of_2(w))
+    except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
+        kernel_failed("expand_record", e)
+        return expand_record_ref(start, count, nd, tokens, tables, block_size, num_drafts, flags)
     out = dict(zip(LAYOUT[:5], lay.unbind(0)), last=last)
     if spec:
         out.update(base_col=ints[0], t0=ints[1], verify_idx=vidx, drafts=drafts, ext=ext, flags=bflags)
