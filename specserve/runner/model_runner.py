@@ -1,8 +1,10 @@
 """The model runner: a scheduled batch -> device step inputs -> target forward -> sampled tokens.
 
-Host work per step is building a few integer arrays with numpy; they travel to the device in one copy
-(plus one for the float sampling parameters) into staging buffers that only ever grow, and the
-sampled tokens come back in one copy at the end. Nothing in between reads a device value.
+Host work per step: a CUDA-graph step (most steps on CUDA) writes a compact record per row and uploads it in
+one copy, and the device expands it (``graph_inputs``, ``kernels.step_inputs``); a packed (eager) step builds
+its integer arrays with numpy and uploads them in one copy (plus one for the float sampling parameters).
+Staging buffers only ever grow; the sampled tokens come back in one copy at the end. Nothing in between
+reads a device value.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import torch
 
 from specserve.cache.kv_cache import KVCache, PAD_BLOCK
 from specserve.config import cdiv
+from specserve.kernels.step_inputs import expand_record
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
-from specserve.kernels.step_inputs import expand_record
 from specserve.runner.graph_inputs import Record, record_views, row_fields, stage_record
 from specserve.runner.sampler import SamplingTensors, sample
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
