@@ -69,31 +69,37 @@ class _Staging:
         self.dtype, self.device = dtype, device
         self.host = torch.empty(0, dtype=dtype)
         self.dev = torch.empty(0, dtype=dtype, device=device)
+        self._np = self.host.numpy()
         self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
-        self._event = torch.cuda.Event() if device.type == "cuda" else None  # recorded after each copy
-        self._copied = False  # a copy out of the host buffer may still be running
+        self._pending = False  # a copy out of the host buffer may still be running
         self.reserve(size)
 
     def reserve(self, n: int) -> np.ndarray:
-        """The host buffer (at least n elements), once the previous step's copy out of it has run: a step
-        that samples nothing ends without a device sync, and the next step rewrites this buffer."""
-        if self._copied:
-            self._event.synchronize()
-            self._copied = False
+        """The host buffer (at least n elements), once the previous copy out of it has run. A step that
+        copies its results back has waited for its stream, upload included (the runner then calls
+        ``synced``); one that samples nothing has not, and the next step would rewrite the buffer under
+        the copy: only then does this wait for the stream (no event per copy on the usual path)."""
+        if self._pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._pending = False
         if n > self.host.numel():
             size = max(n, 2 * self.host.numel(), 1024)
             pin = self.device.type == "cuda"
             self.host = torch.empty(size, dtype=self.dtype, pin_memory=pin)
             self.dev = torch.empty(size, dtype=self.dtype, device=self.device)
+            self._np = self.host.numpy()
             self.generation += 1
-        return self.host.numpy()
+        return self._np
 
     def upload(self, n: int) -> None:
         """Copy the first n elements to the device (asynchronously; nothing to do on the CPU)."""
         if self.device.type != "cpu":
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
-            self._event.record()
-            self._copied = True
+            self._pending = True
+
+    def synced(self) -> None:
+        """The device has run past every copy uploaded so far (a blocking copy back on the same stream)."""
+        self._pending = False
 
     def view(self, n: int) -> torch.Tensor:
         """The first n uploaded elements as the step reads them (the host buffer itself on the CPU)."""
@@ -378,8 +384,15 @@ class ModelRunner:
         else:  # a replay reads the staged record in place: views are made only to capture
             rec, switches = self.stage_graph(batch, layout)
             tokens = self.graphs.run((layout, *switches), lambda: self._decode(self.graph_views(rec)[2]))
-        tokens = iter(tokens.tolist() if tokens is not None else [])  # the step's one device -> host copy
+        tokens = iter(self._copy_back(tokens) if tokens is not None else [])
         return [RowResult([next(tokens)] if s.sample else []) for s in batch.scheduled]
+
+    def _copy_back(self, out: torch.Tensor) -> list:
+        """The step's one device -> host copy; it waits for the stream, so every upload has run too."""
+        values = out.tolist()
+        for st in self._staging_buffers():
+            st.synced()
+        return values
 
     def _decode(self, inp: StepInputs) -> torch.Tensor | None:
         """Target forward + sampling, all on the device -> tokens [S] (None when no row samples)."""

@@ -198,7 +198,7 @@ class SpecDecodeRunner(ModelRunner):
             out = self.graphs.run((layout, *switches), lambda: self._step(*self._graph_step_inputs(rec, switches)))
         d = self.num_drafts
         results = []
-        for s, row in zip(sched, out.tolist()):  # the one device -> host copy
+        for s, row in zip(sched, self._copy_back(out)):  # the one device -> host copy
             if not s.sample:
                 results.append(RowResult([]))
                 continue
