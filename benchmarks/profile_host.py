@@ -2,8 +2,9 @@
 over the default chat prompts (speculation off, then on), every piece of ``LLMEngine.step`` timed with
 ``time.perf_counter`` wrappers, and Python's garbage collections timed through ``gc.callbacks``.
 
-Pieces per step (microseconds, mean over every step of the timed run): schedule, stage (host arrays and
-their upload, speculative inputs included), launch (the graph replay call, which returns once the work is
+Pieces per step (microseconds, mean over every step of the timed run): schedule, layout (picking the graph
+layout), stage (a graph step's record and its upload; of which reserve, the pinned buffer, and upload, the
+copy), launch (the graph replay call, which returns once the work is
 queued), wait (the one device -> host copy: mostly the device finishing the step), results (turning the copy
 into per-row results), update (scheduler bookkeeping), detokenize, outputs (``RequestOutput`` objects), and
 the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each.
@@ -81,6 +82,9 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0)
     tm.wrap(eng, "_detokenize", "detokenize")
     tm.wrap(eng, "_output", "outputs")
     tm.wrap(runner, "stage_graph", "stage")
+    tm.wrap(runner, "graph_layout", "layout")
+    tm.wrap(runner._ints, "reserve", "reserve")  # inside "stage": the pinned buffer (and any wait for it)
+    tm.wrap(runner._ints, "upload", "upload")  # inside "stage": the copy to the device
     tm.wrap(runner, "execute", "execute")
     tm.wrap(eng, "step", "step")
     if runner.graphs is not None:
@@ -129,7 +133,7 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0)
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-6000:])
     p = best["us_per_step"]
     p["wall"] = best["wall_s"] / best["steps"] * 1e6
-    p["results"] = p.get("execute", 0) - p.get("stage", 0) - p.get("launch", 0) - p.get("wait", 0)
+    p["results"] = p.get("execute", 0) - p.get("stage", 0) - p.get("launch", 0) - p.get("wait", 0) - p.get("layout", 0)
     p["step_other"] = p["step"] - p.get("execute", 0) - sum(p.get(k, 0) for k in ("schedule", "update", "detokenize",
                                                                                   "outputs"))
     p["generate_other"] = p["wall"] - p["step"]
@@ -157,8 +161,8 @@ def main() -> None:
     out = {}
     for name, d in (("off", None), ("on", draft)):
         out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile)
-    keys = ["wall", "step", "schedule", "stage", "launch", "wait", "results", "update", "detokenize", "outputs",
-            "step_other", "generate_other"]
+    keys = ["wall", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait", "results", "update",
+            "detokenize", "outputs", "step_other", "generate_other"]
     print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))
     for k in keys:
         print(f"{k:<16}" + "".join(f"{r['us_per_step'].get(k, 0):>10.1f}" for r in out.values()))
