@@ -7,7 +7,7 @@ the compact record and its upload) and returns one token (three with speculation
 a graph capture adds on top (a replay does not): the record's device views and the ops that expand them,
 run here eagerly on the CPU, timed separately and not part of the step figure.
 
-    python benchmarks/bench_host.py [--batch 1 64] [--steps 200]
+    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     make_hf_model(root / "t", "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
@@ -47,9 +48,8 @@ def main() -> None:
         real = runner.execute
         for b in a.batch:
             sp = SamplingParams(temperature=0, max_tokens=10 ** 6, ignore_eos=True)
-            for _ in range(b):
-                eng.add_request([1, 2, 3, 4, 5], sp)
-            for _ in range(3):
+            reqs = [eng.requests[eng.add_request([1 + i % 5 for i in range(a.prompt_len)], sp)] for _ in range(b)]
+            while min(r.num_output_tokens for r in reqs) < 2:  # prefill (in chunks), then generation
                 eng.step()
             t_in: list[float] = []
             t_views: list[float] = []

@@ -58,6 +58,9 @@ class Request:
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
+        # the prompt as every output reports it: one list for the request's life, not a copy per step (a
+        # 2,000-token prompt copied for each of 64 rows costs ~0.3 ms of every step)
+        self.prompt_token_ids: list[int] = self.token_ids[:self.num_prompt_tokens]
         self.params = params
         # Every request gets a seed so that sampling is a pure function of (seed, output index).
         self.seed = params.seed if params.seed is not None else random.getrandbits(31)
