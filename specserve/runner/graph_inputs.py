@@ -4,14 +4,15 @@ A graph step's shapes are fixed by its ``GraphLayout`` (rows padded to a capture
 block tables ``table_width`` wide). For it the host writes only what it alone knows, per row: the first
 position, the token count, the number of drafts among those tokens, the tokens themselves (padded to ``q``),
 the block-table row (padded with the pad block), and per-row parameters (sampling, acceptance). All of it
-goes into the pinned staging buffer with one assignment and reaches the device with one copy. Everything
+goes into the pinned staging buffer with one assignment (two with float fields) and reaches the device with
+one copy. Everything
 else a step reads — positions, cache slots, the query layout, each row's last token, and for speculation
 the verified positions, the drafts and the draft loop's token table — is computed from the record at the
 start of the captured step, by one kernel (``specserve.kernels.step_inputs``).
 
 On the GPU machine the host is slow (numpy calls and CUDA copies cost several microseconds each): building
-every array on the host took 160 µs per plain step and 340 µs per speculative one, about a quarter of
-the step; the record takes a few calls. Packed (eager) steps keep building their arrays on the host
+every array on the host took 160 µs per plain step and 340 µs per speculative one (13% and 20% of the
+step); the record takes a few calls. Packed (eager) steps keep building their arrays on the host
 (``ModelRunner.stage``); tests check that both give the same tokens.
 
 Dummy rows (padding up to the captured batch size) are rows of one token at position 0 that read and write
