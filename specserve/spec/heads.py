@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.config import ModelConfig
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.norm import embed_norm_cat
@@ -43,10 +42,9 @@ class DraftInputs:
     draft_ok: torch.Tensor  # [B] bool: rows whose drafts are used (others write head KV to the pad slot)
     block_size: int
     num_drafts: int  # D
+    step0_ids: torch.Tensor  # [T] int64: ids_ext[row_of_token, col_of_token + 1], the head input of each token
+    chain: tuple[torch.Tensor, torch.Tensor]  # [K, B] each: positions, cache slots of chain steps 1..D-1
     host_rows: list[Any] = field(default_factory=list)  # scheduled rows; for test heads only, never device heads
-    # made by the worker's one-kernel set-up (``kernels.draft_inputs``); the loop derives them itself when None
-    step0_ids: torch.Tensor | None = None  # [T] int64: ids_ext[row_of_token, col_of_token + 1]
-    chain: tuple[torch.Tensor, torch.Tensor] | None = None  # positions, cache slots of chain steps 1.. [K, B]
 
 
 class DraftHead(nn.Module):
@@ -104,26 +102,15 @@ class DraftHead(nn.Module):
 
     # --- the draft loop (chain: step 0 over every verified token, then one-token steps) ----------
     def step0(self, x: DraftInputs, kv: list) -> torch.Tensor:
-        ids = x.step0_ids if x.step0_ids is not None else x.ids_ext[x.row_of_token, x.col_of_token + 1]  # [T]
+        ids = x.step0_ids  # [T]
         h = self.first_hidden(x.hidden, x.aux)
         return self.run_module(0, ids, x.positions, h, x.meta, kv[self.kv_layer(0)])  # [T, H]
 
     def chain_layout(self, x: DraftInputs) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
-        """Positions, cache slots and attention layout of chain steps 1..D-1, computed for all steps at once
-        (a handful of small kernels instead of a handful per step): step k writes at last_pos + k."""
-        b = x.last_pos.shape[0]
-        dev = x.last_pos.device
-        rows = torch.arange(b, device=dev)
-        if x.chain is not None:
-            pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
-        else:
-            ks = torch.arange(1, max(2, x.num_drafts), device=dev)  # [K]
-            pos = torch.clamp(x.last_pos[:, None] + ks, max=self.target.rope.cos_cache.shape[0] - 1)  # [B, K]
-            m = x.block_tables.shape[1]
-            blk = x.block_tables.gather(1, torch.clamp(pos // x.block_size, max=m - 1))  # [B, K]
-            slot = torch.where(x.draft_ok[:, None], blk * x.block_size + pos % x.block_size,
-                               PAD_BLOCK * x.block_size)  # rows that do not draft write the pad block
-            pos_t, slot_t = pos.t().contiguous(), slot.t().contiguous()
+        """Positions, cache slots and attention layout of chain steps 1..D-1 (the worker computes the positions
+        and slots of all steps at once, ``kernels.draft_inputs``): step k writes at last_pos + k."""
+        rows = torch.arange(x.last_pos.shape[0], device=x.last_pos.device)
+        pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
         return [(pos_t[k], slot_t[k], AttentionMetadata(
             slot_mapping=slot_t[k], block_tables=x.block_tables, query_index=rows[:, None], query_pos=pos_t[k, :, None],
             flat_index=rows, sliding_window=x.meta.sliding_window, backend=x.meta.backend))

@@ -176,8 +176,8 @@ class SpecDecodeRunner(ModelRunner):
         t = {k: dev[o[i]:o[i + 1]] for i, k in enumerate(_SPEC_NAMES)}
         fdev = self._spec_floats.view(4 * b)
         sampling = sampling_tensors(st.requests, [t["top_k"], t["seeds"], t["offsets"]], fdev, b)
-        # integer views of the staging buffer; _step turns the flags into bool tensors on the device, so a
-        # captured graph reads the staging buffer (fixed addresses), never tensors made outside it
+        # integer views of the staging buffer; _step turns the flags into bool tensors on the device (a graph
+        # step's expansion kernel hands it booleans already, for which that is a no-op)
         acc = AcceptInputs(
             sampling=sampling, greedy=t["greedy"], can_accept=t["can_accept"],
             relaxed=t["relaxed"], relaxed_topk=t["relaxed_topk"], relaxed_delta=fdev[3 * b:4 * b],
@@ -192,7 +192,11 @@ class SpecDecodeRunner(ModelRunner):
         self._host_rows = sched  # test heads read the scheduled rows; device heads never do
         if layout is None:
             st = self.stage(batch, with_sampling=False)
-            out = self._step(self.views(st), *self._spec_views(self._stage_spec(batch, st.q)))
+            inp = self.views(st)
+            t, acc, w = self._spec_views(self._stage_spec(batch, st.q))
+            flat = inp.meta.flat_index  # [T]: row * q + column (a graph step's expansion gives both directly)
+            t.update(row_of_token=flat // st.q, col_of_token=flat % st.q)
+            out = self._step(inp, t, acc, w)
         else:  # a replay reads the staged record in place: views are made only to capture
             rec, switches = self.stage_graph(batch, layout)
             out = self.graphs.run((layout, *switches), lambda: self._step(*self._graph_step_inputs(rec, switches)))
@@ -208,7 +212,7 @@ class SpecDecodeRunner(ModelRunner):
 
     def _step(self, inp, t: dict, acc_in: AcceptInputs, w: int) -> torch.Tensor:
         """Verify, accept and draft on the device -> [B, 1 + (D+1) + D]: accepted count, emitted tokens, drafts."""
-        b, q = inp.meta.query_index.shape
+        b = inp.meta.query_index.shape[0]
         d = self.num_drafts
         inp.meta.new_step()
         acc_in = dataclasses.replace(acc_in, greedy=acc_in.greedy.bool(), can_accept=acc_in.can_accept.bool(),
@@ -220,14 +224,11 @@ class SpecDecodeRunner(ModelRunner):
         sample_row = acc_in.can_accept
         accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced)
         # draft: the draft table with the bonus token, the last accepted token, the chain's slots (one kernel)
-        flat = inp.meta.flat_index
-        row_of_token = t["row_of_token"] if "row_of_token" in t else flat // q  # [T] (a graph step's expansion
-        col_of_token = t["col_of_token"] if "col_of_token" in t else flat % q  # made them)
         s = draft_inputs(accepted, emitted, t["base_col"], t["t0"], t["start"], t["ext"].view(b, w), sample_row,
-                         inp.meta.block_tables, row_of_token, col_of_token, self.block_size, d,
+                         inp.meta.block_tables, t["row_of_token"], t["col_of_token"], self.block_size, d,
                          self.model.rope.cos_cache.shape[0] - 1)
         x = DraftInputs(
-            ids_ext=s["ext"], row_of_token=row_of_token, col_of_token=col_of_token, positions=inp.positions,
+            ids_ext=s["ext"], row_of_token=t["row_of_token"], col_of_token=t["col_of_token"], positions=inp.positions,
             meta=inp.meta, hidden=hidden, aux=aux, last_idx=s["last_idx"], last_col=s["last_col"],
             last_pos=s["last_pos"], block_tables=inp.meta.block_tables, draft_ok=sample_row,
             block_size=self.block_size, num_drafts=d, host_rows=self._host_rows, step0_ids=s["ids0"],
