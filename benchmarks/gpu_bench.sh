@@ -2,9 +2,9 @@
 # Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
-#   bash benchmarks/gpu_bench.sh [tests] [kernels] [default] [throughput] [scale] [attention] [sweep] [spec16] [hf4]
+#   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [attention] [sweep] [spec16] [hf4]
 #                                [profile] [host] [cprofile] [humaneval]
-# Stage limits (s): tests 240, default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
+# Stage limits (s): tests 240, tests-quick 240 (the step-input kernels and the engine-level GPU tests), default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
 # ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120,
 # scale 300, attention 230, spec16 180, hf4 200, profile 150, kernels 120, sweep 240, host 150, cprofile 150, humaneval 150
 # (humaneval needs .traindata carried). (scale ran out of 200 s once, printing nothing.)
@@ -24,6 +24,10 @@ for st in $stages; do
   case $st in
     tests) SPECSERVE_TEST_GGUF=$M timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
+    tests-quick) timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
+             -k "draft_inputs or step_inputs" 2>&1 | tail -4
+             SPECSERVE_TEST_GGUF=$M timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider \
+             tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -8 ;;
     kernels) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -8 ;;
     host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --json $OUT/host.json 2>&1 | quiet | tail -16 ;;
     cprofile) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --repeats 1 --num-prompts 4 \

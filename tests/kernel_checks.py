@@ -4,6 +4,7 @@ or on the CPU through Triton's interpreter: ``TRITON_INTERPRET=1 python tests/ke
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -240,7 +241,12 @@ def dtypes(device: str):
 
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    if os.environ.get("SPECSERVE_BUILD_SM"):  # interpreting: also build each kernel for that GPU (kernel_build.py)
+        import kernel_build
+        launched = kernel_build.record()
     for dt in dtypes(dev):
         for c in CHECKS:
             c(dev, dt)
             print(f"{c.__name__} {dt}: ok", flush=True)
+    if os.environ.get("SPECSERVE_BUILD_SM"):
+        kernel_build.build_recorded(launched, int(os.environ["SPECSERVE_BUILD_SM"]))

@@ -2,6 +2,7 @@
 of the PyTorch reference path: plain and speculative, packed and padded (graph) layouts, chunked prefill.
 Run by tests/test_kernels.py as ``TRITON_INTERPRET=1 python tests/kernel_engine_check.py``."""
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -12,6 +13,9 @@ from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 from tiny_models import PROMPTS, make_head, make_hf_model  # noqa: E402
 
+if os.environ.get("SPECSERVE_BUILD_SM"):  # also build each launched kernel for that GPU (kernel_build.py)
+    import kernel_build  # noqa: E402
+    launched = kernel_build.record()
 root = Path(tempfile.mkdtemp())
 make_hf_model(root / "t", "llama", initializer_range=0.4, num_hidden_layers=2)
 make_head(root / "e3", root / "t", "eagle3", own_head=False, seed=1)
@@ -38,4 +42,9 @@ from specserve import kernels  # noqa: E402
 if kernels.FAILED:  # a kernel fell back to its reference: the comparison above did not test it
     print(f"kernels that did not build: {sorted(kernels.FAILED)}")
     bad += 1
+if os.environ.get("SPECSERVE_BUILD_SM"):
+    try:
+        kernel_build.build_recorded(launched, int(os.environ["SPECSERVE_BUILD_SM"]))
+    except kernel_build.BuildError:
+        bad += 1
 sys.exit(1 if bad else 0)

@@ -27,17 +27,20 @@ def test_kernel_matches_reference_on_gpu(check, dtype):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU CI); the GPU test covers the kernels")
 def test_kernels_match_references_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    """Also builds every launched kernel signature for sm_90 (kernel_build.py): the interpreter runs code
+    that the compiler rejects."""
+    env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90")
     here = Path(__file__).parent
     r = subprocess.run([sys.executable, str(here / "kernel_checks.py"), "cpu"], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(": ok") == len(kernel_checks.CHECKS) * 2
+    assert "built for sm_90" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU CI); the GPU tests cover the kernels")
 def test_engine_with_triton_kernels_matches_reference_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90")
     r = subprocess.run([sys.executable, str(Path(__file__).parent / "kernel_engine_check.py")], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -100,13 +100,14 @@ if triton is not None:
             tl.store(CHAIN + k * B + p, pos, mask=km)
             tl.store(CHAIN + K * B + k * B + p, slot, mask=km)
         else:  # tokens: the head's input token after each verified one (the bonus where it was written)
+            # (names apart from the row branch's: Triton types a name across both branches of a runtime `if`)
             t = (p - B) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
             tm = t < T
             row = tl.load(ROW + t, mask=tm, other=0)
             col = tl.load(COL + t, mask=tm, other=0)
-            acc = tl.load(ACC + row, mask=tm, other=0)
-            lc = tl.load(BASE + row, mask=tm, other=0) + acc
-            ok = tl.load(OK + row, mask=tm, other=0) != 0
-            bonus = tl.load(EMIT + row * s_emit + acc, mask=tm, other=0)
-            x = tl.load(EXT + row * W + col + 1, mask=tm, other=0)
-            tl.store(IDS0 + t, tl.where(ok & (col == lc), bonus, x), mask=tm)
+            t_acc = tl.load(ACC + row, mask=tm, other=0)
+            t_lc = tl.load(BASE + row, mask=tm, other=0) + t_acc
+            t_ok = tl.load(OK + row, mask=tm, other=0) != 0
+            t_bonus = tl.load(EMIT + row * s_emit + t_acc, mask=tm, other=0)
+            t_x = tl.load(EXT + row * W + col + 1, mask=tm, other=0)
+            tl.store(IDS0 + t, tl.where(t_ok & (col == t_lc), t_bonus, t_x), mask=tm)
