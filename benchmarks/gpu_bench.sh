@@ -2,11 +2,11 @@
 # Issue #5 on the GPU machine in one call (model at /root/model.gguf): GPU tests, then `specserve bench` on the
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
-#   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [attention] [sweep] [spec16] [hf4]
+#   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1] [attention] [sweep] [spec16] [hf4]
 #                                [profile] [host] [cprofile] [humaneval]
 # Stage limits (s): tests 240, tests-quick 240 (the step-input kernels and the engine-level GPU tests), default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at
 # ~45 tok/s, needs ~300 s: give it a call of its own; 200 s killed it once before it printed), throughput 120,
-# scale 300, attention 230, spec16 180, hf4 200, profile 150, kernels 120, sweep 240, host 150, cprofile 150, humaneval 150
+# scale 300, scale1 200 (batch 1 only, its log in $OUT/scale1.log), attention 230, spec16 180, hf4 200, profile 150, kernels 120, sweep 240, host 150, cprofile 150, humaneval 150
 # (humaneval needs .traindata carried). (scale ran out of 200 s once, printing nothing.)
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
@@ -53,6 +53,10 @@ for st in $stages; do
                --json $OUT/profile/scale-spec.json 2>&1 | quiet | tail -28
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
+    scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
+             --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \
+             --max-tokens 128 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
+             | tee $OUT/scale1.log | quiet | tail -30 ;;
     scale) timeout 300 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
              --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
              --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;

@@ -76,6 +76,33 @@ def test_cuda_graphs_equal_eager(dirs, spec, dtype, backend):
         assert got == ref, (spec, dtype, backend, n)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_are_recaptured_after_a_staging_buffer_moves():
+    """A batch larger than any before grows the staging buffers: every graph is dropped with the memory
+    pool they shared, and the next capture must start a new pool (reusing the freed one's handle tripped an
+    allocator assertion in the H200 throughput run)."""
+    from specserve.runner.model_runner import _Staging
+
+    st = _Staging(torch.float32, torch.device("cuda"), 16)
+    graphs = CudaGraphs(1, [st])
+
+    def step():  # reads the staging buffer in place, as a captured step does
+        return st.dev[:4] * 2 + 1
+
+    def run(key, values):
+        st.reserve(4)[:4] = values
+        st.upload(4)
+        return graphs.run(key, step).tolist()
+
+    assert run("a", [1, 2, 3, 4]) == [3, 5, 7, 9]
+    assert run("a", [0, 1, 0, 1]) == [1, 3, 1, 3]  # a replay
+    st.reserve(5000)  # moves the buffers
+    assert run("b", [2, 2, 2, 2]) == [5, 5, 5, 5]
+    assert run("a", [4, 3, 2, 1]) == [9, 7, 5, 3]
+    assert graphs.num_captured == 2
+
+
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)
 def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
     """Requests one at a time (batch-1 serving): a prompt's last step is padded up to a power of two of at

@@ -57,6 +57,7 @@ class CudaGraphs:
         gen = tuple(s.generation for s in self._staging)
         if gen != self._generation:  # a staging buffer moved: graphs would read stale addresses
             self._graphs.clear()
+            self._pool = None  # freed with its last graph; capturing into it again trips the allocator
             self._generation = gen
         entry = self._graphs.get(key)
         if entry is None:
