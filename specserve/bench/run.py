@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -128,6 +129,9 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
         kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     if spec:
         kw["speculative_config"] = _spec_config(cfg)
+    # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
+    bar = _progress(f"specserve spec={'on' if spec else 'off'}", len(cfg.batch_sizes) * (cfg.repeats + 1))
+    bar.set_postfix_str("loading")
     llm = LLM(cfg.model, **kw)
     eng = llm.engine
     dev = eng.device
@@ -147,9 +151,11 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
             steps0 = eng.num_steps
             _sync(dev)
             t0 = time.perf_counter()
+            bar.set_postfix_str(f"batch {b}" + (f" run {r}/{cfg.repeats}" if r else " warm-up"))
             outs = llm.generate(batch, sp)
             _sync(dev)
             dt = time.perf_counter() - t0
+            bar.update()
             if r:
                 runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats))
         runs.sort(key=lambda x: x["seconds"])
@@ -177,10 +183,17 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
                        draft_len=cfg.draft_len, forced_acceptance=cfg.forced_acceptance)
         rows.append(row)
         log.info("specserve spec=%s batch=%d: %.1f tok/s", spec, b, row["tokens_per_s"])
+    bar.close()
     del llm, eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _progress(desc: str, total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
 def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool, eos: tuple[int, ...]) -> list[dict]:
@@ -202,6 +215,7 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool, eos:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model = model.to(dev).eval()
     name = "transformers+compile" if compiled else "transformers"
+    bar = _progress(name, len(cfg.batch_sizes) * (cfg.repeats + 1))
     if compiled:
         model.generation_config.cache_implementation = "static"
     rows = []
@@ -218,14 +232,18 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool, eos:
                                     eos_token_id=list(eos), do_sample=False, pad_token_id=0))
             return outs
 
+        bar.set_postfix_str(f"batch {b} warm-up")
         run(chunks[:1])  # warm-up (compilation for the static-cache variant)
+        bar.update()
         times, outs = [], None
-        for _ in range(cfg.repeats):
+        for r in range(cfg.repeats):
+            bar.set_postfix_str(f"batch {b} run {r + 1}/{cfg.repeats}")
             _sync(dev)
             t0 = time.perf_counter()
             outs = run(chunks)
             _sync(dev)
             times.append(time.perf_counter() - t0)
+            bar.update()
         med = statistics.median(times)
         n_tok = sum(generated_count(o[:, inp.shape[1]:], () if cfg.ignore_eos else eos)
                     for o, (inp, _) in zip(outs, chunks))
@@ -234,6 +252,7 @@ def bench_hf(cfg: BenchConfig, prompt_ids: list[list[int]], compiled: bool, eos:
                          new_tokens=round(n_tok / len(reqs), 1), seconds=med, all_seconds=times,
                          tokens_per_s=n_tok / med, first_tokens=outs[0][0, width:width + 16].tolist()))
         log.info("%s batch=%d: %.1f tok/s", name, b, rows[-1]["tokens_per_s"])
+    bar.close()
     del model
     return rows
 
