@@ -14,10 +14,8 @@ class Tokenizer:
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.vocab_size = len(hf_tokenizer)
         # the Rust tokenizer behind a fast tokenizer decodes without transformers' per-call Python overhead
-        # (detokenization runs for every generated token); only when transformers adds nothing on top
-        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        plain = not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
-        self._decode_fast = backend.decode if backend is not None and plain else None
+        # (detokenization runs twice per row and step)
+        self._decode_fast, self._clean_up = _fast_decode(hf_tokenizer)
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
@@ -58,8 +56,31 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._decode_fast is not None:
-            return self._decode_fast(list(ids), skip_special_tokens=skip_special_tokens)
+            text = self._decode_fast(list(ids), skip_special_tokens=skip_special_tokens)
+            return text if self._clean_up is None else self._clean_up(text)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+_PROBE = "a , b . c 's d n't e ! f ? g 'm h 've i 're"
+
+
+def _fast_decode(hf_tokenizer):
+    """-> (the Rust backend's decode, the space clean-up transformers applies after it, or None), or
+    (None, None) where transformers' decode does something else. Which clean-up a fast tokenizer's decode
+    applies depends on the transformers version and the tokenizer's settings (GGUF tokenizers ask for it in
+    some versions), so it is found by decoding a probe both ways."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None, None
+    ids = list(hf_tokenizer.encode(_PROBE, add_special_tokens=False))
+    want = hf_tokenizer.decode(ids, skip_special_tokens=True)
+    raw = backend.decode(ids, skip_special_tokens=True)
+    if want == raw:
+        return backend.decode, None
+    clean = getattr(hf_tokenizer, "clean_up_tokenization", None)
+    if clean is not None and want == clean(raw):
+        return backend.decode, clean
+    return None, None
 
 
 class IncrementalDetokenizer:

@@ -1,5 +1,5 @@
 """Tokenizer.decode through the Rust backend equals transformers' decode (it runs for every generated token),
-and tokenizers whose transformers decode post-processes text keep transformers' path."""
+with transformers' space clean-up where the tokenizer asks for it."""
 
 from __future__ import annotations
 
@@ -20,13 +20,29 @@ def test_fast_decode_equals_transformers_decode(tmp_path):
             assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
 
 
-def test_clean_up_spaces_keeps_transformers_decode(tmp_path):
+def test_clean_up_spaces_decode_equals_transformers_decode(tmp_path, monkeypatch):
+    """A transformers decode that cleans up spaces (" ," -> ",": GGUF tokenizers in some transformers
+    versions) is matched on the fast path; one that post-processes otherwise keeps transformers' decode."""
     make_hf_model(tmp_path / "m", "llama", num_hidden_layers=1)
-    tok = Tokenizer.from_folder(tmp_path / "m")
-    tok.hf.clean_up_tokenization_spaces = True
-    assert Tokenizer(tok.hf)._decode_fast is None
-    ids = tok.encode("hello , world .")
-    assert Tokenizer(tok.hf).decode(ids) == tok.hf.decode(ids, skip_special_tokens=True)
+    hf = Tokenizer.from_folder(tmp_path / "m").hf
+    backend_decode = hf.backend_tokenizer.decode
+
+    def cleaning_decode(ids, skip_special_tokens=False, **kw):
+        return hf.clean_up_tokenization(backend_decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    monkeypatch.setattr(hf, "decode", cleaning_decode)
+    fast = Tokenizer(hf)
+    assert fast._decode_fast is not None and fast._clean_up is not None
+    ids = hf.encode("hello , world . it 's n't", add_special_tokens=False)
+    assert "," in fast.decode(ids) and " ," not in fast.decode(ids)
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(fast.vocab_size) for _ in range(rng.randrange(1, 10))]
+        for skip in (True, False):
+            assert fast.decode(ids, skip) == cleaning_decode(ids, skip_special_tokens=skip)
+    monkeypatch.setattr(hf, "decode", lambda ids, skip_special_tokens=False, **kw: "<" + backend_decode(list(ids)))
+    other = Tokenizer(hf)
+    assert other._decode_fast is None and other.decode([5, 6]) == "<" + backend_decode([5, 6])
 
 
 def _chunked_text(tok: Tokenizer, prompt: list[int], ids: list[int], rng: random.Random) -> str:
