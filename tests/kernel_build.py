@@ -53,7 +53,8 @@ def record() -> list[dict]:
                 bound[name] = p.default
         if self.fn not in params_of:
             params_of[self.fn] = {p.name for p in JITFunction(self.fn).params if p.is_constexpr}
-        consts = {n: bound[n] for n in params if n in params_of[self.fn]}
+        # constexpr parameters, and None arguments (Triton specializes those as constants too)
+        consts = {n: bound[n] for n in params if n in params_of[self.fn] or bound.get(n, 0) is None}
         options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
         halves = ("fp16", "bf16") if any(isinstance(v, torch.Tensor) and v.dtype == torch.float16
                                           for v in bound.values()) else ("fp16",)
