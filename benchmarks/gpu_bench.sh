@@ -21,7 +21,7 @@ M=/root/model.gguf
 HEAD=${HEAD:-specserve/heads/smollm2-135m-eagle3}  # HEAD=DIR: a head not yet in the package
 stages=${*:-tests default throughput scale}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" ; }
+quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" -e "100%|" ; }  # finished bars out; a killed run keeps its last
 for st in $stages; do
   echo "===== $st $(date +%T)"
   case $st in
