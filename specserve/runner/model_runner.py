@@ -296,7 +296,7 @@ class ModelRunner:
         qpos2[row, col] = p
         self.step_tokens = (row, col, ids.copy())  # [T] each: row, column, token id (speculative inputs)
         last_tok = first + counts - 1  # [B] flat index of each row's last token
-        self.row_t0 = first.tolist()
+        self.row_t0 = first  # [B] flat index of each row's first token (speculative inputs)
         fbuf = self._floats.reserve(3 * ns) if ns else None
         for j, s in enumerate(samplers):
             (topk[j], seeds[j], offsets[j]), (fbuf[j], fbuf[ns + j], fbuf[2 * ns + j]) = \

@@ -93,7 +93,7 @@ class SpecDecodeRunner(ModelRunner):
         k = len(sched)
         n = np.fromiter((s.num_tokens for s in sched), np.int64, k)
         nd = np.fromiter((s.num_drafts for s in sched), np.int64, k)
-        t0 = np.asarray(self.row_t0, dtype=np.int64)
+        t0 = self.row_t0  # [B]
         base = t0 + n - 1 - nd  # flat index of the first verified position (the last known token)
         vidx[:k] = np.minimum(base[:, None] + np.arange(d + 1), (base + nd)[:, None])
         a["num_drafts"][:k] = nd
