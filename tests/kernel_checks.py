@@ -18,6 +18,7 @@ from specserve.kernels.attention import paged_attention_flex, paged_attention_sd
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
+from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, linear_ref
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -231,8 +232,40 @@ def check_draft_inputs(device, dtype):
                 assert torch.equal(got[k], ref[k]), f"draft inputs {k} b={b} q={q} d={d} packed={packed}"
 
 
+@kernel_check
+def check_gemv(device, dtype):
+    g = torch.Generator().manual_seed(9)
+    for n, k in ((96, 576), (40, 1536), (7, 1000)):
+        w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+        bias = torch.randn(n, generator=g).to(device, dtype)
+        for t in (1, 5, 8):
+            x = torch.randn(t, k, generator=g).to(device, dtype)
+            res = torch.randn(t, k, generator=g).to(device, dtype)
+            gu = torch.randn(t, 2 * k, generator=g).to(device, dtype)
+            add = torch.randn(t, n, generator=g).to(device, dtype)
+            wide = torch.randn(t, k + 32, generator=g).to(device, dtype)[:, :k]  # a row stride of its own
+            for what, args in (("plain", (x, w)), ("bias", (x, w, bias)), ("strided", (wide, w)),
+                               ("norm", (x, w, None, NORM, None, nw, 1e-5)),
+                               ("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
+                               ("silu-mul", (gu, w, None, SILU_MUL)),
+                               ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
+                out, r = fused_linear(*args)
+                ref, rr = linear_ref(*args)
+                _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t}")
+                assert (r is None) == (rr is None)
+                if rr is not None:
+                    assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
+            if t == 1:
+                continue
+            # every token row rounds as it would alone (a verify step's rows equal decode steps')
+            one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5)
+            assert torch.equal(one[0], fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5)[0][2]), "row independence"
+    assert NONE == 0
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat, check_step_inputs, check_draft_inputs]
+          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

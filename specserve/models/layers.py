@@ -9,8 +9,16 @@ from torch import nn
 
 from specserve.config import RopeScaling
 from specserve.kernels.activation import silu_and_mul
+from specserve.kernels.gemv import ADD_NORM, SILU_MUL, fused_linear, gemv_enabled
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; a few-row step on the GPU takes one kernel of ``specserve.kernels.gemv`` instead of cuBLAS."""
+    if gemv_enabled(x, layer.in_features):
+        return fused_linear(x, layer.weight, layer.bias)[0]
+    return layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -87,3 +95,25 @@ class SwiGLU(nn.Module):
         h = residual.shape[-1]
         return residual.view(-1, h).addmm_(act.reshape(-1, act.shape[-1]), self.down_proj.weight.t()).view(
             residual.shape)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return gemv_enabled(x, max(self.gate_up_proj.in_features, self.intermediate))
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
+        """x, residual [T, H] -> (self(norm(x + residual)), x + residual): four kernels, or two on the
+        few-row GPU path (the norm inside the gate/up projection, the activation inside the down one)."""
+        if not self._fused(x):
+            h, residual = norm(x, residual)
+            return self(h), residual
+        gu, residual = fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual,
+                                    norm.weight, norm.eps)
+        return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL)[0], residual
+
+    def after_norm_sum(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``sum(after_norm(...))``: the MLP's output added to the new residual stream (taken over)."""
+        if not self._fused(x):
+            h, residual = norm(x, residual)
+            return self(h, residual)
+        gu, residual = fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual,
+                                    norm.weight, norm.eps)
+        return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL, add=residual)[0]

@@ -15,7 +15,8 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
-from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from specserve.kernels.gemv import ADD_NORM, NORM, fused_linear
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
 
 
 class Attention(nn.Module):
@@ -36,8 +37,12 @@ class Attention(nn.Module):
         Training passes ``[B, S, H]`` inputs and a ``meta`` object with ``attend(q, k, v)`` (dense causal
         or training-time-test layouts, see ``specserve.train.attention``); no KV cache is used then.
         """
-        lead = x.shape[:-1]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        return self.from_qkv(linear(self.qkv_proj, x), positions, meta, k_cache, v_cache)
+
+    def from_qkv(self, qkv, positions, meta, k_cache, v_cache):
+        """``forward`` after the qkv projection: qkv [..., (Hq + 2 Hkv) * D] -> [..., H]."""
+        lead = qkv.shape[:-1]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = q.view(*lead, self.hq, self.d)
         k = k.view(*lead, self.hkv, self.d)
         v = v.view(*lead, self.hkv, self.d)
@@ -51,7 +56,7 @@ class Attention(nn.Module):
         else:
             q, k = self.rope(positions, q, k)
             out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
-        return self.o_proj(out.reshape(*lead, self.hq * self.d))
+        return linear(self.o_proj, out.reshape(*lead, self.hq * self.d))
 
 
 class DecoderLayer(nn.Module):
@@ -64,6 +69,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache):
         """Returns (layer output before the residual add, residual); their sum is the stream."""
+        if self.mlp._fused(x):  # few rows on the GPU: the input norm runs inside the qkv projection
+            attn, ln = self.self_attn, self.input_layernorm
+            qkv, res = fused_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, NORM if residual is None else ADD_NORM,
+                                    residual, ln.weight, ln.eps)
+            h = attn.from_qkv(qkv, positions, meta, k_cache, v_cache)
+            return self.mlp.after_norm(self.post_attention_layernorm, h, x if residual is None else res)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -74,8 +85,7 @@ class DecoderLayer(nn.Module):
     def body(self, h, residual, positions, meta, k_cache, v_cache):
         """The layer after its input norm: h = normed input stream, residual = the input stream itself."""
         h = self.self_attn(h, positions, meta, k_cache, v_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.after_norm(self.post_attention_layernorm, h, residual)
 
 
 class LlamaForCausalLM(nn.Module):

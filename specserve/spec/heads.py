@@ -20,7 +20,7 @@ from specserve.config import ModelConfig
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.norm import embed_norm_cat
 from specserve.models.attention import AttentionMetadata
-from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
 from specserve.models.llama import Attention, DecoderLayer
 
 
@@ -152,8 +152,7 @@ class Eagle3Layer(nn.Module):
         x = embed_norm_cat(ids, table, self.input_layernorm.weight, hidden, self.hidden_norm.weight,
                            self.input_layernorm.eps)  # [N, 2H]
         x = self.self_attn(x, positions, meta, k_cache, v_cache)
-        x, residual = self.post_attention_layernorm(x, hidden)
-        return self.mlp(x, residual)
+        return self.mlp.after_norm_sum(self.post_attention_layernorm, x, hidden)
 
 
 class Eagle3Head(DraftHead):
@@ -172,7 +171,7 @@ class Eagle3Head(DraftHead):
         self.register_buffer("d2t", torch.zeros(draft_vocab_size or 0, dtype=torch.int64))
 
     def first_hidden(self, hidden, aux):
-        return self.fc(torch.cat(aux, dim=-1))
+        return linear(self.fc, torch.cat(aux, dim=-1))
 
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv)
@@ -216,7 +215,8 @@ class MTPModule(nn.Module):
         self.shared_head_head = nn.Linear(h, cfg.vocab_size, bias=False) if own_head else None
 
     def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache):
-        x = self.eh_proj(embed_norm_cat(ids, table, self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps))
+        x = linear(self.eh_proj, embed_norm_cat(ids, table, self.enorm.weight, hidden, self.hnorm.weight,
+                                                self.enorm.eps))
         out, residual = self.block(x, None, positions, meta, k_cache, v_cache)
         return out + residual
 

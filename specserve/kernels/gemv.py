@@ -1,0 +1,131 @@
+"""Few-row linear layers with their elementwise prologue inside: one kernel where cuBLAS needs two or three.
+
+A decode or verify step of a small model is latency-bound: the H200 profile of the default model
+(docs/BENCHMARKS.md) shows ~270 kernels of 1-4 µs per step, cuBLAS's GEMMs among them taking ~4 µs to read
+~1 MB of weights. For steps of at most ``MAX_ROWS`` tokens and reduced widths of at most ``MAX_K``, every
+program here loads its ``BLOCK_N`` weight rows whole (one round of loads, no loop over K), then for each
+token row recomputes the row's prologue — nothing, (residual add +) RMSNorm, or SiLU(gate) * up — and writes
+``BLOCK_N`` outputs. Each row's arithmetic is the same whatever the number of rows, so a verify step of
+1 + D tokens rounds every token as a decode step does. Prologue rounding follows the unfused kernels
+(``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import kernel_failed, kernel_usable, use_triton
+from specserve.kernels.activation import silu_and_mul_ref
+from specserve.kernels.norm import rms_norm_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights)
+MAX_K = 2048  # widest reduced dimension loaded in one piece
+TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
+NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
+
+
+def gemv_enabled(x: torch.Tensor, k: int) -> bool:
+    """Whether a step with input ``x`` [T, *] and reduced width ``k`` takes these kernels."""
+    return (use_triton(x) and os.environ.get("SPECSERVE_GEMV", "1") != "0" and kernel_usable("gemv")
+            and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and k <= MAX_K and x.stride(-1) == 1
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def block_n(n: int, k: int) -> int:
+    """Output features per program for an [n, k] weight: a fixed tile, so the split depends on the shape only."""
+    return max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
+
+
+def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
+               add=None):
+    """x [T, K] (SILU_MUL: [T, 2K]) -> (prologue(x) @ W.T + b (+ add) [T, N], new residual or None)."""
+    new_res = None
+    if prologue == SILU_MUL:
+        x = silu_and_mul_ref(x)
+    elif prologue == NORM:
+        x = rms_norm_ref(x, norm_weight, eps)
+    elif prologue == ADD_NORM:
+        x, new_res = rms_norm_ref(x, norm_weight, eps, residual)
+    out = F.linear(x, weight, bias)
+    return (out if add is None else out + add), new_res
+
+
+def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
+                 add=None, block: int | None = None, num_warps: int = 4):
+    """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
+    ``block`` / ``num_warps`` override the launch (benchmarks only). ADD_NORM returns the new residual stream
+    (x + residual) as the second value."""
+    n, k = weight.shape
+    if not gemv_enabled(x, k):
+        return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
+    t = x.shape[0]
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
+    bn = block or block_n(n, k)
+    try:
+        _gemv_kernel[(triton.cdiv(n, bn),)](
+            x, residual if residual is not None else x, res_out if res_out is not None else out,
+            norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
+            add if add is not None else out, out, t, n, eps, x.stride(0),
+            residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
+            weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
+            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), ROWS=triton.next_power_of_2(t), num_warps=num_warps)
+    except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
+        kernel_failed("gemv", e)
+        return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps)
+    return out, res_out
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
+                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ROWS: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
+        nm = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        km = ks < K
+        w = tl.load(W + cols[:, None].to(tl.int64) * s_w + ks[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        b = tl.load(BIAS + cols, mask=nm & HAS_BIAS, other=0.0).to(tl.float32)
+        nw = tl.load(NW + ks, mask=km & (PROLOGUE == 1 or PROLOGUE == 2), other=0.0).to(tl.float32)
+        for t in tl.static_range(ROWS):  # unrolled: ROWS is T rounded up to a power of two
+            if t < T:
+                _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols,
+                          nm, ks, km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
+
+    @triton.jit
+    def _gemv_row(row, res, res_out, add, out, w, b, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
+                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+        if PROLOGUE == 3:  # SiLU(gate) rounded to the input dtype, times up (in that dtype)
+            g = tl.load(row + ks, mask=km, other=0.0).to(tl.float32)
+            u = tl.load(row + K + ks, mask=km, other=0.0)
+            a = ((g / (1.0 + tl.exp(-g))).to(u.dtype) * u).to(tl.float32)
+        else:
+            x = tl.load(row + ks, mask=km, other=0.0)
+            if PROLOGUE == 2:
+                x = x + tl.load(res + ks, mask=km, other=0.0)  # rounded to the stream's dtype
+                if pid == 0:
+                    tl.store(res_out + ks, x, mask=km)
+            if PROLOGUE == 1 or PROLOGUE == 2:
+                x32 = x.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / K + eps)
+                a = (nw * (x32 * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+            else:
+                a = x.to(tl.float32)
+        acc = tl.sum(w * a[None, :], axis=1)  # [BLOCK_N]
+        if HAS_BIAS:
+            acc += b
+        if HAS_ADD:
+            acc += tl.load(add + cols, mask=nm, other=0.0).to(tl.float32)
+        tl.store(out + cols, acc.to(out.dtype.element_ty), mask=nm)
