@@ -3,8 +3,8 @@ kernels, inside CUDA graphs, with the default model's shapes (random bf16 weight
 
 Two measurements at 1 and 5 tokens per step:
 * per call: each projection (qkv with add+norm, o, gate/up with add+norm, down with SiLU-and-mul) timed as
-  30 calls over 30 different weights in one graph, for several programs-per-row splits and warp counts, next
-  to cuBLAS alone and cuBLAS plus its norm / activation kernel;
+  30 calls over 30 different weights in one graph, for the default split and a few others (features per
+  program, warps), next to cuBLAS alone and cuBLAS plus its norm / activation kernel;
 * a layer chain: the projections and norms of 30 decoder layers (no attention) as the engine runs them
   (norm, qkv, o, norm, gate/up, SiLU-and-mul, down) against the fused chain (qkv, o, gate/up, down).
 
@@ -89,15 +89,13 @@ def per_call(ws, t: int) -> list[dict]:
         if unfused is not None:
             row["cublas_plus_prologue_us"] = graph_us(lambda: [unfused(w) for w in ws], LAYERS)
         variants = {}
-        for bn in (1, 2, 4, 8, 16, 32):
-            if bn * triton_pow2(k) > 4 * 8192:
-                continue
-            for warps in (1, 2, 4, 8):
-                def fn(bn=bn, warps=warps):
-                    return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
-                                         w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps)
-                            for w in ws]
-                variants[f"bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
+        d = row["default_block"]
+        for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4), (2 * d, 8)):
+            def fn(bn=bn, warps=warps):
+                return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
+                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps)
+                        for w in ws]
+            variants[f"bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
         row["fused_us"] = variants
         row["fused_default_us"] = variants.get(f"bn{row['default_block']}/w4")
         best = min(variants, key=variants.get)
@@ -108,10 +106,6 @@ def per_call(ws, t: int) -> list[dict]:
               + f"; fused default {row['fused_default_us']} (bn{row['default_block']}/w4), best {best} "
               f"{variants[best]:.2f}", flush=True)
     return rows
-
-
-def triton_pow2(k: int) -> int:
-    return 1 << (k - 1).bit_length()
 
 
 def chains(ws, t: int) -> dict:
@@ -145,6 +139,7 @@ def chains(ws, t: int) -> dict:
     return out
 
 
+@torch.inference_mode()  # as the engine runs (the kernels step aside while autograd records)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)

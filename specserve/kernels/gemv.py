@@ -2,11 +2,12 @@
 
 A decode or verify step of a small model is latency-bound: the H200 profile of the default model
 (docs/BENCHMARKS.md) shows ~270 kernels of 1-4 µs per step, cuBLAS's GEMMs among them taking ~4 µs to read
-~1 MB of weights. For steps of at most ``MAX_ROWS`` tokens and reduced widths of at most ``MAX_K``, every
-program here loads its ``BLOCK_N`` weight rows whole (one round of loads, no loop over K), then for each
-token row recomputes the row's prologue — nothing, (residual add +) RMSNorm, or SiLU(gate) * up — and writes
-``BLOCK_N`` outputs. Each row's arithmetic is the same whatever the number of rows, so a verify step of
-1 + D tokens rounds every token as a decode step does. Prologue rounding follows the unfused kernels
+~1 MB of weights. For steps of at most ``MAX_ROWS`` tokens and reduced widths of at most ``MAX_K``, a
+program here owns one token row and ``BLOCK_N`` output features: it loads those weight rows whole (one round
+of loads, no loop over K), computes the row's prologue — nothing, (residual add +) RMSNorm, or SiLU(gate) * up
+— and writes ``BLOCK_N`` outputs. The rows of a step run side by side (their weight reads after the first come
+from L2), and each row's arithmetic is the same whatever the number of rows, so a verify step of 1 + D
+tokens rounds every token as a decode step does. Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
 """
 
@@ -27,7 +28,7 @@ try:
 except ImportError:
     triton = None
 
-MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights)
+MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights better)
 MAX_K = 2048  # widest reduced dimension loaded in one piece
 TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
@@ -72,13 +73,13 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
     bn = block or block_n(n, k)
     try:
-        _gemv_kernel[(triton.cdiv(n, bn),)](
+        _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), ROWS=triton.next_power_of_2(t), num_warps=num_warps)
+            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps)
@@ -88,9 +89,10 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
 if triton is not None:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
-                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
         ks = tl.arange(0, BLOCK_K)
@@ -99,10 +101,8 @@ if triton is not None:
                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         b = tl.load(BIAS + cols, mask=nm & HAS_BIAS, other=0.0).to(tl.float32)
         nw = tl.load(NW + ks, mask=km & (PROLOGUE == 1 or PROLOGUE == 2), other=0.0).to(tl.float32)
-        for t in tl.static_range(ROWS):  # unrolled: ROWS is T rounded up to a power of two
-            if t < T:
-                _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols,
-                          nm, ks, km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
+        _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols, nm, ks,
+                  km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
 
     @triton.jit
     def _gemv_row(row, res, res_out, add, out, w, b, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
