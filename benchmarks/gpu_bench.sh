@@ -10,7 +10,7 @@
 # it a call of its own; 200 s killed it once before it printed); throughput 120; scale 300 (it ran out of
 # 200 s and of 300 s, printing nothing); scale1 SCALE_S, default 200 (batch 1 only, its whole log in
 # $OUT/scale1.log; it ran out of 210 s, printing nothing, before the bench had progress bars); attention 230;
-# spec16 180; hf4 200; profile 150; kernels 120; sweep 240; host 150; cprofile 150; humaneval 150 (needs
+# spec16 180; hf4 200; profile 150; kernels 200; sweep 240; host 150; cprofile 150; humaneval 150 (needs
 # .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights).
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
@@ -32,7 +32,7 @@ for st in $stages; do
              -k "draft_inputs or step_inputs" 2>&1 | tail -4
              SPECSERVE_TEST_GGUF=$M timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider \
              tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -8 ;;
-    kernels) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -8 ;;
+    kernels) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -8 ;;
     host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --json $OUT/host.json 2>&1 | quiet | tail -16 ;;
     cprofile) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --repeats 1 --num-prompts 4 \
              --cprofile 30 --json $OUT/host-cprofile.json 2>&1 | quiet | tail -100 ;;
