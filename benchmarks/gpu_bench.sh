@@ -49,6 +49,8 @@ for st in $stages; do
     humaneval) timeout 150 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --prompts .traindata/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 16 --repeats 3 \
              --out $OUT/humaneval 2>&1 | quiet | tail -12 ;;
+    hfc) timeout 300 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf-compile --out $OUT/hfc 2>&1 | quiet | tail -16 ;;
     hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 4 --repeats 2 --compare hf hf-compile --out $OUT/hf4 2>&1 | quiet | tail -16 ;;
     profile) mkdir -p $OUT/profile
@@ -64,7 +66,7 @@ for st in $stages; do
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/gemvsteps-$g 2>&1 | quiet | tail -12; done ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \
-             --max-tokens 128 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
+             --max-tokens 128 --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
              | tee $OUT/scale1.log | quiet | tail -30 ;;
     scale) timeout 300 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
              --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
