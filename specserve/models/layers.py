@@ -96,13 +96,14 @@ class SwiGLU(nn.Module):
         return residual.view(-1, h).addmm_(act.reshape(-1, act.shape[-1]), self.down_proj.weight.t()).view(
             residual.shape)
 
-    def _fused(self, x: torch.Tensor) -> bool:
+    def few_row_path(self, x: torch.Tensor) -> bool:
+        """Whether a step with input x [T, H] runs this MLP (and its layer) on the few-row kernels."""
         return gemv_enabled(x, max(self.gate_up_proj.in_features, self.intermediate))
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
         """x, residual [T, H] -> (self(norm(x + residual)), x + residual): four kernels, or two on the
         few-row GPU path (the norm inside the gate/up projection, the activation inside the down one)."""
-        if not self._fused(x):
+        if not self.few_row_path(x):
             h, residual = norm(x, residual)
             return self(h), residual
         gu, residual = fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual,
@@ -111,7 +112,7 @@ class SwiGLU(nn.Module):
 
     def after_norm_sum(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``sum(after_norm(...))``: the MLP's output added to the new residual stream (taken over)."""
-        if not self._fused(x):
+        if not self.few_row_path(x):
             h, residual = norm(x, residual)
             return self(h, residual)
         gu, residual = fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual,

@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache):
         """Returns (layer output before the residual add, residual); their sum is the stream."""
-        if self.mlp._fused(x):  # few rows on the GPU: the input norm runs inside the qkv projection
+        if self.mlp.few_row_path(x):  # few rows on the GPU: the input norm runs inside the qkv projection
             attn, ln = self.self_attn, self.input_layernorm
             qkv, res = fused_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, NORM if residual is None else ADD_NORM,
                                     residual, ln.weight, ln.eps)
