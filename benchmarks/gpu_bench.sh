@@ -4,14 +4,14 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [profile] [host] [cprofile] [humaneval]
-#                                [gemv] [gemvsteps]
+#                                [gemv] [gemvsteps] [upload]
 # Stage limits (s): tests 240; tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
 # it a call of its own; 200 s killed it once before it printed); throughput 120; scale 300 (it ran out of
 # 200 s and of 300 s, printing nothing); scale1 SCALE_S, default 200 (batch 1 only, its whole log in
 # $OUT/scale1.log; it ran out of 210 s, printing nothing, before the bench had progress bars); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 200; sweep 240; host 150; cprofile 150; humaneval 150 (needs
-# .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights).
+# .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights); upload 2 x 150.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -64,6 +64,9 @@ for st in $stages; do
              SPECSERVE_GEMV=$g timeout 120 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.55} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/gemvsteps-$g 2>&1 | quiet | tail -12; done ;;
+    upload) for u in 0 1; do echo "--- SPECSERVE_GRAPH_UPLOAD=$u"
+             SPECSERVE_GRAPH_UPLOAD=$u timeout 150 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
+             --batch-size 1 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/upload-$u 2>&1 | quiet | tail -9; done ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \
              --max-tokens 128 --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \

@@ -103,6 +103,54 @@ def test_graphs_are_recaptured_after_a_staging_buffer_moves():
     assert graphs.num_captured == 2
 
 
+@pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
+def test_padded_layout_with_the_upload_in_the_step_equals_packed(dirs, spec, monkeypatch):
+    """SPECSERVE_GRAPH_UPLOAD=1: staging leaves the copy to the step (on the CPU there is none to make) and the
+    graph key carries the record size."""
+    ref, _ = _run(dirs, SPECS[spec], 3, padded=False)
+    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "1")
+    got, llm = _run(dirs, SPECS[spec], 3, padded=True)
+    assert llm.engine.runner.upload_in_graph
+    assert got == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_upload_captured_in_a_graph_reads_the_host_buffer_at_each_replay():
+    from specserve.runner.model_runner import _Staging
+
+    st = _Staging(torch.float32, torch.device("cuda"), 16)
+    graphs = CudaGraphs(1, [st])
+
+    def step():  # the copy is captured with the step
+        st.upload(4)
+        return st.dev[:4] * 2 + 1
+
+    def run(values):
+        st.reserve(4)[:4] = values
+        st.upload_deferred()
+        out = graphs.run("k", step).tolist()
+        st.synced()
+        return out
+
+    assert run([1, 2, 3, 4]) == [3, 5, 7, 9]
+    assert run([0, 1, 0, 1]) == [1, 3, 1, 3]  # a replay: no copy call from the host
+    assert run([5, 5, 5, 5]) == [11, 11, 11, 11]
+    assert graphs.num_captured == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
+def test_cuda_graphs_with_the_upload_captured_equal_eager(dirs, spec, monkeypatch):
+    kw = dict(device="cuda", dtype="bfloat16")
+    ref, _ = _run(dirs, SPECS[spec], 3, padded=False, enforce_eager=True, **kw)
+    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "1")
+    got, llm = _run(dirs, SPECS[spec], 3, padded=False, **kw)
+    assert llm.engine.runner.upload_in_graph and llm.engine.runner.graphs.num_captured > 0
+    assert got == ref
+
+
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)
 def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
     """Requests one at a time (batch-1 serving): a prompt's last step is padded up to a power of two of at

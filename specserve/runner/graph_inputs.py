@@ -66,16 +66,19 @@ def row_fields(sched, rows: int, q: int, width: int, block_size: int, lookahead:
 
 
 def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, list],
-                 floats: dict[str, list[float]]) -> Record:
+                 floats: dict[str, list[float]], upload: bool = True) -> Record:
     """Write the fields into ``staging`` (one assignment for the integers, one for the floats) and upload
-    them in one copy."""
+    them in one copy (``upload=False``: the graph step makes that copy itself)."""
     n_int = sum(len(v) for v in ints.values())
     n_float = sum(len(v) for v in floats.values())
     buf = staging.reserve(n_int + n_float)
     buf[:n_int] = list(chain.from_iterable(ints.values()))
     if n_float:
         buf[n_int:n_int + n_float].view(np.float64)[:] = list(chain.from_iterable(floats.values()))
-    staging.upload(n_int + n_float)
+    if upload:
+        staging.upload(n_int + n_float)
+    else:
+        staging.upload_deferred()
     return Record(rows, q, width, _offsets(ints, 0), _offsets(floats, n_int), n_int + n_float,
                   [s.request for s in sched])
 

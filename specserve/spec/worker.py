@@ -199,7 +199,8 @@ class SpecDecodeRunner(ModelRunner):
             out = self._step(inp, t, acc, w)
         else:  # a replay reads the staged record in place: views are made only to capture
             rec, switches = self.stage_graph(batch, layout)
-            out = self.graphs.run((layout, *switches), lambda: self._step(*self._graph_step_inputs(rec, switches)))
+            out = self.graphs.run(self.graph_key(layout, switches, rec),
+                                  lambda: self._step(*self._graph_step_inputs(rec, switches)))
         d = self.num_drafts
         results = []
         for s, row in zip(sched, self._copy_back(out)):  # the one device -> host copy
