@@ -44,8 +44,9 @@ class Record:
     requests: list  # the scheduled requests (their sampling parameters)
 
 
-def row_fields(sched, rows: int, q: int, width: int, block_size: int, lookahead: int) -> dict[str, list[int]]:
-    """The layout fields as Python lists: start, count, num_drafts [B]; tokens [B * q]; tables [B * M]."""
+def row_fields(sched, rows: int, q: int, block_size: int, lookahead: int) -> tuple[dict[str, list[int]], list]:
+    """The layout fields as Python lists — start, count, num_drafts [B]; tokens [B * q] — and each scheduled
+    row's block ids (as many as its step reaches; ``stage_record`` pads the table rows)."""
     start, count, nd, tokens, tables = [], [], [], [], []
     for s in sched:
         req = s.request
@@ -54,33 +55,39 @@ def row_fields(sched, rows: int, q: int, width: int, block_size: int, lookahead:
         if s.num_drafts:
             tokens += req.spec_token_ids[:s.num_drafts]
         tokens += [0] * (q - s.num_tokens)
-        nb = min(len(req.block_ids), cdiv(s.start + s.num_tokens + lookahead, block_size))
-        tables += req.block_ids[:nb]
-        tables += [PAD_BLOCK] * (width - nb)
+        tables.append(req.block_ids[:min(len(req.block_ids), cdiv(s.start + s.num_tokens + lookahead, block_size))])
         start.append(s.start)
         count.append(s.num_tokens)
         nd.append(s.num_drafts)
     pad = rows - len(sched)
     return dict(start=start + [0] * pad, count=count + [1] * pad, num_drafts=nd + [0] * pad,
-                tokens=tokens + [0] * (pad * q), tables=tables + [PAD_BLOCK] * (pad * width))
+                tokens=tokens + [0] * (pad * q)), tables
 
 
-def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, list],
+def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, list], tables: list[list[int]],
                  floats: dict[str, list[float]], upload: bool = True) -> Record:
-    """Write the fields into ``staging`` (one assignment for the integers, one for the floats) and upload
-    them in one copy (``upload=False``: the graph step makes that copy itself)."""
-    n_int = sum(len(v) for v in ints.values())
+    """Write the fields into ``staging`` (one assignment for the integers, the block tables [B, M] filled with
+    the pad block and each scheduled row's ids written over it, one assignment for the floats) and upload them
+    in one copy (``upload=False``: the graph step makes that copy itself). Building the padded tables as
+    Python lists cost more than the rest of the record: they are ``M`` wide (the whole context)."""
+    n_list = sum(len(v) for v in ints.values())
+    n_int = n_list + rows * width
     n_float = sum(len(v) for v in floats.values())
     buf = staging.reserve(n_int + n_float)
-    buf[:n_int] = list(chain.from_iterable(ints.values()))
+    buf[:n_list] = list(chain.from_iterable(ints.values()))
+    tab = buf[n_list:n_int]
+    tab.fill(PAD_BLOCK)
+    for i, blocks in enumerate(tables):
+        tab[i * width:i * width + len(blocks)] = blocks
     if n_float:
         buf[n_int:n_int + n_float].view(np.float64)[:] = list(chain.from_iterable(floats.values()))
     if upload:
         staging.upload(n_int + n_float)
     else:
         staging.upload_deferred()
-    return Record(rows, q, width, _offsets(ints, 0), _offsets(floats, n_int), n_int + n_float,
-                  [s.request for s in sched])
+    fields = _offsets(ints, 0)
+    fields["tables"] = (n_list, rows * width)
+    return Record(rows, q, width, fields, _offsets(floats, n_int), n_int + n_float, [s.request for s in sched])
 
 
 def _offsets(fields: dict[str, list], at: int) -> dict[str, tuple[int, int]]:

@@ -71,6 +71,7 @@ class _Staging:
         self.host = torch.empty(0, dtype=dtype)
         self.dev = torch.empty(0, dtype=dtype, device=device)
         self._np = self.host.numpy()
+        self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> (device, host) slices
         self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
         self._pending = False  # a copy out of the host buffer may still be running
         self.reserve(size)
@@ -89,6 +90,7 @@ class _Staging:
             self.host = torch.empty(size, dtype=self.dtype, pin_memory=pin)
             self.dev = torch.empty(size, dtype=self.dtype, device=self.device)
             self._np = self.host.numpy()
+            self._pairs.clear()
             self.generation += 1
         return self._np
 
@@ -96,7 +98,12 @@ class _Staging:
         """Copy the first n elements to the device (asynchronously; nothing to do on the CPU). Inside a CUDA
         graph capture the copy becomes a node of the graph, which each replay repeats from the host buffer."""
         if self.device.type != "cpu":
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            pair = self._pairs.get(n)
+            if pair is None:  # slicing costs several µs on a slow host; a graph layout's record size repeats
+                pair = (self.dev[:n], self.host[:n])
+                if len(self._pairs) < 256:  # packed steps' sizes vary: keep the cache bounded
+                    self._pairs[n] = pair
+            pair[0].copy_(pair[1], non_blocking=True)
             self._pending = True
 
     def upload_deferred(self) -> None:
@@ -322,10 +329,10 @@ class ModelRunner:
         switches that pick the graph's variant)."""
         sched = batch.scheduled
         b, q, m = layout.rows, layout.q, layout.table_width
-        ints = row_fields(sched, b, q, m, self.block_size, self.table_lookahead)
+        ints, tables = row_fields(sched, b, q, self.block_size, self.table_lookahead)
         floats: dict[str, list[float]] = {}
         switches = self._row_params(sched, b, ints, floats)
-        rec = stage_record(self._ints, sched, b, q, m, ints, floats, upload=not self.upload_in_graph)
+        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats, upload=not self.upload_in_graph)
         return rec, switches
 
     def graph_key(self, layout: GraphLayout, switches: tuple, rec: Record) -> tuple:
