@@ -96,6 +96,12 @@ def per_call(ws, t: int) -> list[dict]:
                                      w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps)
                         for w in ws]
             variants[f"bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
+        for bn, warps in (((16, 4), (16, 8), (32, 4), (32, 8)) if t > 1 else ()):  # all rows in one tl.dot
+            def fn(bn=bn, warps=warps):
+                return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
+                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps, dot=True)
+                        for w in ws]
+            variants[f"dot bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
         row["fused_us"] = variants
         row["fused_default_us"] = variants.get(f"bn{row['default_block']}/w4")
         best = min(variants, key=variants.get)
@@ -122,20 +128,24 @@ def chains(ws, t: int) -> dict:
             x = F.linear(silu_and_mul(F.linear(h, w["gu"])), w["down"])
         return x
 
-    def fused():
+    def fused(dot=False):
         x, res = x0, torch.zeros_like(x0)
         for w in ws:
-            qkv, res = fused_linear(x, w["qkv"], None, ADD_NORM, res, w["n1"], EPS)
-            o, _ = fused_linear(qkv[:, :H], w["o"])
-            gu, res = fused_linear(o, w["gu"], None, ADD_NORM, res, w["n2"], EPS)
-            x, _ = fused_linear(gu, w["down"], None, SILU_MUL)
+            qkv, res = fused_linear(x, w["qkv"], None, ADD_NORM, res, w["n1"], EPS, dot=dot)
+            o, _ = fused_linear(qkv[:, :H], w["o"], dot=dot)
+            gu, res = fused_linear(o, w["gu"], None, ADD_NORM, res, w["n2"], EPS, dot=dot)
+            x, _ = fused_linear(gu, w["down"], None, SILU_MUL, dot=dot)
         return x
 
     a, b = unfused(), fused()
     err = ((a.float() - b.float()).norm() / a.float().norm()).item()
     out = dict(tokens=t, unfused_us=graph_us(unfused, 1), fused_us=graph_us(fused, 1), rel_err=err)
+    msg = ""
+    if t > 1:
+        out["fused_dot_us"] = graph_us(lambda: fused(dot=True), 1)
+        msg = f", fused with the tile kernel {out['fused_dot_us']:.1f} µs"
     print(f"chain of {LAYERS} layers t={t}: unfused (7 kernels/layer) {out['unfused_us']:.1f} µs, fused (4) "
-          f"{out['fused_us']:.1f} µs, relative difference {err:.2e}", flush=True)
+          f"{out['fused_us']:.1f} µs{msg}, relative difference {err:.2e}", flush=True)
     return out
 
 

@@ -11,7 +11,7 @@
 # 200 s and of 300 s, printing nothing); scale1 SCALE_S, default 200 (batch 1 only, its whole log in
 # $OUT/scale1.log; it ran out of 210 s, printing nothing, before the bench had progress bars); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 200; sweep 240; host 150; cprofile 150; humaneval 150 (needs
-# .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights); upload 2 x 150.
+# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
@@ -60,8 +60,8 @@ for st in $stages; do
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
     gemv) timeout 150 python3 benchmarks/bench_gemv.py --json $OUT/gemv.json 2>&1 | grep -v Warning | tail -16 ;;
-    gemvsteps) for g in 0 1; do echo "--- SPECSERVE_GEMV=$g"
-             SPECSERVE_GEMV=$g timeout 120 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+    gemvsteps) for g in 0 1 dot; do echo "--- SPECSERVE_GEMV=${g/dot/1} SPECSERVE_GEMV_ROWS=$g"
+             SPECSERVE_GEMV=${g/dot/1} SPECSERVE_GEMV_ROWS=$g timeout 120 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.55} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/gemvsteps-$g 2>&1 | quiet | tail -12; done ;;
     upload) for u in 0 1; do echo "--- SPECSERVE_GRAPH_UPLOAD=$u"

@@ -250,12 +250,13 @@ def check_gemv(device, dtype):
                                ("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
                                ("silu-mul", (gu, w, None, SILU_MUL)),
                                ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
-                out, r = fused_linear(*args)
                 ref, rr = linear_ref(*args)
-                _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t}")
-                assert (r is None) == (rr is None)
-                if rr is not None:
-                    assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
+                for dot in (False, True):  # one program per row; all rows in one tl.dot
+                    out, r = fused_linear(*args, dot=dot)
+                    _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t} dot={dot}")
+                    assert (r is None) == (rr is None)
+                    if rr is not None:
+                        assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
             if t == 1:
                 continue
             # every token row rounds as it would alone (a verify step's rows equal decode steps')

@@ -31,6 +31,7 @@ except ImportError:
 MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights better)
 MAX_K = 2048  # widest reduced dimension loaded in one piece
 TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
+DOT_N = 16  # output features per program of the tile kernel (tl.dot's smallest N; its rows pad to 16, the smallest M)
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
 
 
@@ -60,29 +61,39 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
     return (out if add is None else out + add), new_res
 
 
+def use_dot(t: int) -> bool:
+    """Whether a step of t > 1 rows takes the tile kernel (all rows in one ``tl.dot`` per program) instead of one
+    program per row: ``SPECSERVE_GEMV_ROWS=dot``, an experiment until the GPU measures it (per row is the
+    default: its programs multiply with the rows, so a verify step's gate/up projection runs in several waves)."""
+    return t > 1 and os.environ.get("SPECSERVE_GEMV_ROWS") == "dot"
+
+
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                 add=None, block: int | None = None, num_warps: int = 4):
+                 add=None, block: int | None = None, num_warps: int = 4, dot: bool | None = None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
-    ``block`` / ``num_warps`` override the launch (benchmarks only). ADD_NORM returns the new residual stream
-    (x + residual) as the second value."""
+    ``block`` / ``num_warps`` / ``dot`` override the launch (benchmarks and checks). ADD_NORM returns the new
+    residual stream (x + residual) as the second value."""
     n, k = weight.shape
     if not gemv_enabled(x, k):
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
     t = x.shape[0]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
-    bn = block or block_n(n, k)
+    dot = use_dot(t) if dot is None else dot
+    bn = block or (DOT_N if dot else block_n(n, k))
+    kernel, grid, extra = ((_gemv_dot_kernel, (triton.cdiv(n, bn),), dict(IEEE=x.dtype == torch.float32)) if dot
+                           else (_gemv_kernel, (triton.cdiv(n, bn), t), {}))
     try:
-        _gemv_kernel[(triton.cdiv(n, bn), t)](
+        kernel[grid](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
+            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps, **extra)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
-        return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps)
+        return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
     return out, res_out
 
 
@@ -129,3 +140,47 @@ if triton is not None:
         if HAS_ADD:
             acc += tl.load(add + cols, mask=nm, other=0.0).to(tl.float32)
         tl.store(out + cols, acc.to(out.dtype.element_ty), mask=nm)
+
+    @triton.jit
+    def _gemv_dot_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
+                         PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """All T rows of a step in one program per ``BLOCK_N`` output features: the prologue on the [16, K]
+        tile of rows (one reduction for every row's norm), then one ``tl.dot`` with the weight rows."""
+        pid = tl.program_id(0)
+        rows = tl.arange(0, 16)
+        rm = rows < T
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        km = ks < K
+        m2 = rm[:, None] & km[None, :]
+        at = rows[:, None].to(tl.int64) * s_x + ks[None, :]
+        if PROLOGUE == 3:
+            g = tl.load(X + at, mask=m2, other=0.0).to(tl.float32)
+            u = tl.load(X + at + K, mask=m2, other=0.0)
+            a = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
+        else:
+            x = tl.load(X + at, mask=m2, other=0.0)
+            if PROLOGUE == 2:
+                x = x + tl.load(RES + rows[:, None].to(tl.int64) * s_r + ks[None, :], mask=m2, other=0.0)
+                if pid == 0:
+                    tl.store(RES_OUT + rows[:, None].to(tl.int64) * K + ks[None, :], x, mask=m2)
+            if PROLOGUE == 1 or PROLOGUE == 2:
+                x32 = x.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / K + eps)
+                nw = tl.load(NW + ks, mask=km, other=0.0).to(tl.float32)
+                a = (nw[None, :] * (x32 * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+            else:
+                a = x
+        w = tl.load(W + cols[:, None].to(tl.int64) * s_w + ks[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(w), input_precision="ieee")  # [16, BLOCK_N] float32
+        else:
+            acc = tl.dot(a, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)[None, :]
+        mo = rm[:, None] & nm[None, :]
+        if HAS_ADD:
+            acc += tl.load(ADD + rows[:, None].to(tl.int64) * s_a + cols[None, :], mask=mo, other=0.0).to(tl.float32)
+        tl.store(OUT + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mo)
