@@ -4,9 +4,8 @@ A graph step's shapes are fixed by its ``GraphLayout`` (rows padded to a capture
 block tables ``table_width`` wide). For it the host writes only what it alone knows, per row: the first
 position, the token count, the number of drafts among those tokens, the tokens themselves (padded to ``q``),
 the block-table row (padded with the pad block), and per-row parameters (sampling, acceptance). All of it
-goes into the pinned staging buffer with one assignment (two with float fields) and reaches the device with
-one copy. Everything
-else a step reads — positions, cache slots, the query layout, each row's last token, and for speculation
+goes into the pinned staging buffer with one assignment for the lists, a fill and one slice per row for the
+tables (and one more assignment with float fields), and reaches the device with one copy. Everything else a step reads — positions, cache slots, the query layout, each row's last token, and for speculation
 the verified positions, the drafts and the draft loop's token table — is computed from the record at the
 start of the captured step, by one kernel (``specserve.kernels.step_inputs``).
 
@@ -68,8 +67,9 @@ def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, 
                  floats: dict[str, list[float]], upload: bool = True) -> Record:
     """Write the fields into ``staging`` (one assignment for the integers, the block tables [B, M] filled with
     the pad block and each scheduled row's ids written over it, one assignment for the floats) and upload them
-    in one copy (``upload=False``: the graph step makes that copy itself). Building the padded tables as
-    Python lists cost more than the rest of the record: they are ``M`` wide (the whole context)."""
+    in one copy (``upload=False``: the graph step makes that copy itself). The tables are ``M`` wide (the
+    longest row's context rounded up to a power of two), B * M entries: as padded Python lists they cost more
+    than the rest of the record at large batches."""
     n_list = sum(len(v) for v in ints.values())
     n_int = n_list + rows * width
     n_float = sum(len(v) for v in floats.values())
