@@ -5,8 +5,9 @@ block tables ``table_width`` wide). For it the host writes only what it alone kn
 position, the token count, the number of drafts among those tokens, the tokens themselves (padded to ``q``),
 the block-table row (padded with the pad block), and per-row parameters (sampling, acceptance). All of it
 goes into the pinned staging buffer with one assignment for the lists, a fill and one slice per row for the
-tables (and one more assignment with float fields), and reaches the device with one copy. Everything else a step reads — positions, cache slots, the query layout, each row's last token, and for speculation
-the verified positions, the drafts and the draft loop's token table — is computed from the record at the
+tables (and one more assignment with float fields), and reaches the device with one copy. Everything else
+a step reads — positions, cache slots, the query layout, each row's last token, and for speculation the
+verified positions, the drafts and the draft loop's token table — is computed from the record at the
 start of the captured step, by one kernel (``specserve.kernels.step_inputs``).
 
 On the GPU machine the host is slow (numpy calls and CUDA copies cost several microseconds each): building
