@@ -3,7 +3,7 @@
 # default model (side by side with transformers), throughput over batch sizes, and the Llama-3.1-8B-shaped
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
-#                                [attention] [sweep] [spec16] [hf4] [profile] [host] [cprofile] [humaneval]
+#                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload]
 # Stage limits (s): tests 240; tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -11,7 +11,7 @@
 # 200 s and of 300 s, printing nothing); scale1 SCALE_S, default 200 (batch 1 only, its whole log in
 # $OUT/scale1.log; it ran out of 210 s, printing nothing, before the bench had progress bars); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 200; sweep 240; host 150; cprofile 150; humaneval 150 (needs
-# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150.
+# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150; hfc 300.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail

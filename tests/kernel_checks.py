@@ -18,7 +18,7 @@ from specserve.kernels.attention import paged_attention_flex, paged_attention_sd
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
-from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, linear_ref
+from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, dot_fits, fused_linear, gemv_enabled, linear_ref
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -235,34 +235,40 @@ def check_draft_inputs(device, dtype):
 @kernel_check
 def check_gemv(device, dtype):
     g = torch.Generator().manual_seed(9)
-    for n, k in ((96, 576), (40, 1000)):
+    # a partial block of output features (100 = 12 x 8 + 4), a width that is not a power of two, the widest K
+    # and the most rows the kernels take
+    for n, k, ts in ((100, 576, (1, 5)), (40, 1000, (1, 5)), (20, 2048, (8,))):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
         nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
         bias = torch.randn(n, generator=g).to(device, dtype)
-        for t in (1, 5):
+        for t in ts:
             x = torch.randn(t, k, generator=g).to(device, dtype)
-            res = torch.randn(t, k, generator=g).to(device, dtype)
+            assert gemv_enabled(x, k), "the check would compare the reference with itself"
+            # row strides of their own (the kernels must not mix them up)
+            res = torch.randn(t, k + 16, generator=g).to(device, dtype)[:, :k]
             gu = torch.randn(t, 2 * k, generator=g).to(device, dtype)
-            add = torch.randn(t, n, generator=g).to(device, dtype)
-            wide = torch.randn(t, k + 32, generator=g).to(device, dtype)[:, :k]  # a row stride of its own
+            add = torch.randn(t, n + 8, generator=g).to(device, dtype)[:, :n]
+            wide = torch.randn(t, k + 32, generator=g).to(device, dtype)[:, :k]
             for what, args in (("plain", (x, w)), ("bias", (x, w, bias)), ("strided", (wide, w)),
                                ("norm", (x, w, None, NORM, None, nw, 1e-5)),
                                ("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
                                ("silu-mul", (gu, w, None, SILU_MUL)),
                                ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
                 ref, rr = linear_ref(*args)
-                for dot in (False, True):  # one program per row; all rows in one tl.dot
+                for dot in (False, True) if dot_fits(x, k) else (False,):  # per row; all rows in one tl.dot
                     out, r = fused_linear(*args, dot=dot)
                     _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t} dot={dot}")
                     assert (r is None) == (rr is None)
                     if rr is not None:
                         assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
-            if t == 1:
+            if t < 3:
                 continue
-            # every token row rounds as it would alone (a verify step's rows equal decode steps')
-            one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5)
-            assert torch.equal(one[0], fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5)[0][2]), "row independence"
-    assert NONE == 0
+            # each token row rounds as it would alone (with the per-row kernel: a verify step's rows equal
+            # decode steps'; the tile kernel's rows do not depend on how many there are either)
+            for dot in (False, True) if dot_fits(x, k) else (False,):
+                one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5, dot=dot)
+                all_rows, _ = fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5, dot=dot)
+                assert torch.equal(one[0], all_rows[2]), f"row independence dot={dot}"
 
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,

@@ -61,25 +61,34 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
     return (out if add is None else out + add), new_res
 
 
-def use_dot(t: int) -> bool:
+def use_dot(t: int, x: torch.Tensor, k: int) -> bool:
     """Whether a step of t > 1 rows takes the tile kernel (all rows in one ``tl.dot`` per program) instead of one
     program per row: ``SPECSERVE_GEMV_ROWS=dot``, an experiment until the GPU measures it (per row is the
-    default: its programs multiply with the rows, so a verify step's gate/up projection runs in several waves)."""
-    return t > 1 and os.environ.get("SPECSERVE_GEMV_ROWS") == "dot"
+    default: its programs multiply with the rows, so a verify step's gate/up projection runs in several waves).
+    The tile kernel sums in another order than the per-row one, so with it a verify step no longer rounds each
+    token as a decode step does (as with cuBLAS, whose kernels change with the row count)."""
+    return t > 1 and os.environ.get("SPECSERVE_GEMV_ROWS") == "dot" and dot_fits(x, k)
+
+
+def dot_fits(x: torch.Tensor, k: int) -> bool:
+    """The tile kernel's two [16, K] operands stay within shared memory (bf16 / fp16 up to K = 2048, fp32 1024)
+    and it has not failed to build here."""
+    return triton.next_power_of_2(k) * x.element_size() <= 4096 and kernel_usable("gemv_dot")
 
 
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
                  add=None, block: int | None = None, num_warps: int = 4, dot: bool | None = None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
-    ``block`` / ``num_warps`` / ``dot`` override the launch (benchmarks and checks). ADD_NORM returns the new
-    residual stream (x + residual) as the second value."""
+    ``block`` / ``num_warps`` / ``dot`` override the launch (benchmarks and checks; ``dot`` only where
+    ``dot_fits``). ADD_NORM returns the new residual stream (x + residual) as the second value."""
     n, k = weight.shape
-    if not gemv_enabled(x, k):
+    rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
+    if not gemv_enabled(x, k) or weight.stride(1) != 1 or not rows_ok:
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
     t = x.shape[0]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
-    dot = use_dot(t) if dot is None else dot
+    dot = use_dot(t, x, k) if dot is None else dot and dot_fits(x, k)
     bn = block or (DOT_N if dot else block_n(n, k))
     kernel, grid, extra = ((_gemv_dot_kernel, (triton.cdiv(n, bn),), dict(IEEE=x.dtype == torch.float32)) if dot
                            else (_gemv_kernel, (triton.cdiv(n, bn), t), {}))
@@ -92,7 +101,7 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
             weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
             BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps, **extra)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
-        kernel_failed("gemv", e)
+        kernel_failed("gemv_dot" if dot else "gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
     return out, res_out
 
