@@ -5,13 +5,15 @@
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload]
-# Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone); tests-quick 240 (the step-input kernels and the engine-level GPU tests);
+# Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
+# tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
 # it a call of its own; 200 s killed it once before it printed); throughput 120; scale 300 (it ran out of
-# 200 s and of 300 s, printing nothing); scale1 SCALE_S, default 200 (batch 1 only, its whole log in
-# $OUT/scale1.log; it ran out of 210 s, printing nothing, before the bench had progress bars); attention 230;
+# 200 s and of 300 s, printing nothing: 64 prompts at batch 1 take that long); scale1 SCALE_S, default 200
+# (batch 1 only, 8 prompts, its whole log in $OUT/scale1.log; about 100 s); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 300; sweep 240; host 150; cprofile 150; humaneval 150 (needs
-# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150; hfc 300.
+# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150;
+# hfc 300.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 set -uo pipefail
