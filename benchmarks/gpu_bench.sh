@@ -8,8 +8,8 @@
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
-# it a call of its own; 200 s killed it once before it printed); throughput 120; scale 300 (it ran out of
-# 200 s and of 300 s, printing nothing: 64 prompts at batch 1 take that long); scale1 SCALE_S, default 200
+# it a call of its own; 200 s killed it once before it printed); throughput 120; scale 300 (batches 8-64;
+# with batch 1 it ran out of 200 s and 300 s: 64 prompts at batch 1 take that long); scale1 SCALE_S, default 200
 # (batch 1 only, 8 prompts, its whole log in $OUT/scale1.log; about 100 s); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 300; sweep 240; host 150; cprofile 150; humaneval 150 (needs
 # .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150;
@@ -74,7 +74,7 @@ for st in $stages; do
              --max-tokens 128 --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
              | tee $OUT/scale1.log | quiet | tail -30 ;;
     scale) timeout 300 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
-             --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 8 32 64 --max-tokens 128 \
+             --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 8 32 64 --max-tokens 128 \
              --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;
   esac
 done
