@@ -77,7 +77,7 @@ def dot_fits(x: torch.Tensor, k: int) -> bool:
 
 
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                 add=None, block: int | None = None, num_warps: int = 4, dot: bool | None = None):
+                 add=None, block: int | None = None, num_warps: int | None = None, dot: bool | None = None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
     ``block`` / ``num_warps`` / ``dot`` override the launch (benchmarks and checks; ``dot`` only where
     ``dot_fits``). ADD_NORM returns the new residual stream (x + residual) as the second value."""
@@ -90,6 +90,9 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
     dot = use_dot(t, x, k) if dot is None else dot and dot_fits(x, k)
     bn = block or (DOT_N if dot else block_n(n, k))
+    # each of the tile kernel's two [16, K] operands puts 16 K / (32 x warps) elements in every thread's
+    # registers: 128 at K = 2048 with 8 warps
+    num_warps = num_warps or (8 if dot else 4)
     kernel, grid, extra = ((_gemv_dot_kernel, (triton.cdiv(n, bn),), dict(IEEE=x.dtype == torch.float32)) if dot
                            else (_gemv_kernel, (triton.cdiv(n, bn), t), {}))
     try:
