@@ -9,6 +9,8 @@ of loads, no loop over K), computes the row's prologue — nothing, (residual ad
 from L2), and each row's arithmetic is the same whatever the number of rows, so a verify step of 1 + D
 tokens rounds every token as a decode step does. Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
+An experimental tile kernel (``SPECSERVE_GEMV_ROWS=dot``, see ``use_dot``) takes steps of several rows in one
+``tl.dot`` per program instead.
 """
 
 from __future__ import annotations
