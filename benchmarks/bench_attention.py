@@ -19,7 +19,7 @@ import time
 import torch
 from triton.testing import do_bench
 
-from specserve.bench.steps import replay_ms
+from specserve.bench import steps
 from specserve.kernels.attention import (build_mask, flex_block_mask, paged_attention_flex, paged_attention_sdpa,
                                          paged_attention_triton)
 
@@ -43,14 +43,7 @@ def case(shape: str, batch: int, q: int, context: int, block: int = 16):
 
 def graph_us(fn, calls: int = 30) -> float:
     """Median time per call of ``fn`` captured ``calls`` times in one CUDA graph, in microseconds."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return replay_ms(g) * 1e3 / calls
+    return steps.graph_us(lambda: [fn() for _ in range(calls)], calls)
 
 
 def sweep(json_path: str | None) -> None:

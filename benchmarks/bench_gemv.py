@@ -19,23 +19,12 @@ import json
 import torch
 import torch.nn.functional as F
 
-from specserve.bench.steps import replay_ms
+from specserve.bench.steps import graph_us
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.gemv import ADD_NORM, NONE, SILU_MUL, block_n, fused_linear, linear_ref
 from specserve.kernels.norm import rms_norm
 
 H, I, QKV, LAYERS, EPS = 576, 1536, 960, 30, 1e-5
-
-
-def graph_us(fn, calls: int) -> float:
-    """Median time of one replay of ``fn`` captured once in a CUDA graph, per call (``fn`` makes ``calls``)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return replay_ms(g) * 1e3 / calls
 
 
 def weights(seed: int = 0):
@@ -90,18 +79,16 @@ def per_call(ws, t: int) -> list[dict]:
             row["cublas_plus_prologue_us"] = graph_us(lambda: [unfused(w) for w in ws], LAYERS)
         variants = {}
         d = row["default_block"]
-        for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4), (2 * d, 8)):
-            def fn(bn=bn, warps=warps):
+        launches = [(bn, warps, False) for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4),
+                                                         (2 * d, 8))]
+        if t > 1:  # all rows in one tl.dot
+            launches += [(bn, warps, True) for bn, warps in ((16, 4), (16, 8), (32, 4), (32, 8))]
+        for bn, warps, dot in launches:
+            def fn(bn=bn, warps=warps, dot=dot):
                 return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
-                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps)
+                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps, dot=dot)
                         for w in ws]
-            variants[f"bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
-        for bn, warps in (((16, 4), (16, 8), (32, 4), (32, 8)) if t > 1 else ()):  # all rows in one tl.dot
-            def fn(bn=bn, warps=warps):
-                return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
-                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps, dot=True)
-                        for w in ws]
-            variants[f"dot bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
+            variants[f"{'dot ' if dot else ''}bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
         row["fused_us"] = variants
         row["fused_default_us"] = variants.get(f"bn{row['default_block']}/w4")
         best = min(variants, key=variants.get)

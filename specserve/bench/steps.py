@@ -32,7 +32,8 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50, warmup: int = 5) -
     return statistics.median(times)
 
 
-def _capture(fn) -> torch.cuda.CUDAGraph:
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (warm-up: Triton compilation, cuBLAS workspaces), then captured."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -42,6 +43,11 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         fn()
     return g
+
+
+def graph_us(fn, calls: int) -> float:
+    """Median replay of ``fn`` captured in one CUDA graph, in microseconds per call (``fn`` makes ``calls``)."""
+    return replay_ms(capture_graph(fn)) * 1e3 / calls
 
 
 @torch.inference_mode()
@@ -84,7 +90,7 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
         return plain.stage_graph(SchedulerOutput(entries), GraphLayout(layout.rows, q, layout.table_width))[0]
 
     rec1 = layout_record(1)
-    decode = _capture(lambda: plain._decode(plain.graph_views(rec1)[2]))
+    decode = capture_graph(lambda: plain._decode(plain.graph_views(rec1)[2]))
     decode_ms = replay_ms(decode)
     recq = layout_record(d + 1)
 
@@ -94,7 +100,7 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
                                 aux_layers=runner.head.aux_layers)
         return eng.model.compute_logits(hidden).argmax(-1)
 
-    verify_ms = replay_ms(_capture(verify))
+    verify_ms = replay_ms(capture_graph(verify))
     for r in rids:
         eng.abort_request(r)
 

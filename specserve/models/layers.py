@@ -106,8 +106,7 @@ class SwiGLU(nn.Module):
         if not self.few_row_path(x):
             h, residual = norm(x, residual)
             return self(h), residual
-        gu, residual = fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual,
-                                    norm.weight, norm.eps)
+        gu, residual = self._normed_gate_up(norm, x, residual)
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL)[0], residual
 
     def after_norm_sum(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -115,6 +114,10 @@ class SwiGLU(nn.Module):
         if not self.few_row_path(x):
             h, residual = norm(x, residual)
             return self(h, residual)
-        gu, residual = fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual,
-                                    norm.weight, norm.eps)
+        gu, residual = self._normed_gate_up(norm, x, residual)
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL, add=residual)[0]
+
+    def _normed_gate_up(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
+        """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual)."""
+        return fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual, norm.weight,
+                            norm.eps)
