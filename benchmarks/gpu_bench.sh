@@ -4,7 +4,7 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
-#                                [gemv] [gemvsteps] [upload]
+#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -12,7 +12,8 @@
 # with batch 1 it ran out of 200 s and 300 s: 64 prompts at batch 1 take that long); scale1 SCALE_S, default 200
 # (batch 1 only, 8 prompts, its whole log in $OUT/scale1.log; about 100 s); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 300; sweep 240; host 150; cprofile 150; humaneval 150 (needs
-# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150;
+# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150; uploadr (random weights) 2 x 100;
+# graphtests 120 (random tiny models);
 # hfc 300.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
@@ -69,6 +70,11 @@ for st in $stages; do
     upload) for u in 0 1; do echo "--- SPECSERVE_GRAPH_UPLOAD=$u"
              SPECSERVE_GRAPH_UPLOAD=$u timeout 150 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
              --batch-size 1 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/upload-$u 2>&1 | quiet | tail -9; done ;;
+    uploadr) for u in 0 1; do echo "--- SPECSERVE_GRAPH_UPLOAD=$u (random SmolLM2-shaped weights)"
+             SPECSERVE_GRAPH_UPLOAD=$u timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+             --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
+             --max-tokens 256 --num-prompts 8 --repeats 3 --out $OUT/uploadr-$u 2>&1 | quiet | tail -9; done ;;
+    graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -6 ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \
              --max-tokens 128 --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
