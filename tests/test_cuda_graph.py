@@ -105,12 +105,15 @@ def test_graphs_are_recaptured_after_a_staging_buffer_moves():
 
 @pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
 def test_padded_layout_with_the_upload_in_the_step_equals_packed(dirs, spec, monkeypatch):
-    """SPECSERVE_GRAPH_UPLOAD=1: staging leaves the copy to the step (on the CPU there is none to make) and the
-    graph key carries the record size."""
+    """The default (the upload captured in the step): staging leaves the copy to the step (on the CPU there is
+    none to make) and the graph key carries the record size; SPECSERVE_GRAPH_UPLOAD=0 copies from the host."""
     ref, _ = _run(dirs, SPECS[spec], 3, padded=False)
-    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "1")
     got, llm = _run(dirs, SPECS[spec], 3, padded=True)
     assert llm.engine.runner.upload_in_graph
+    assert got == ref
+    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "0")
+    got, llm = _run(dirs, SPECS[spec], 3, padded=True)
+    assert not llm.engine.runner.upload_in_graph
     assert got == ref
 
 
@@ -142,12 +145,13 @@ def test_an_upload_captured_in_a_graph_reads_the_host_buffer_at_each_replay():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
-def test_cuda_graphs_with_the_upload_captured_equal_eager(dirs, spec, monkeypatch):
+def test_cuda_graphs_with_the_upload_from_the_host_equal_eager(dirs, spec, monkeypatch):
+    """SPECSERVE_GRAPH_UPLOAD=0 (the default captures the upload; test_cuda_graphs_equal_eager covers it)."""
     kw = dict(device="cuda", dtype="bfloat16")
     ref, _ = _run(dirs, SPECS[spec], 3, padded=False, enforce_eager=True, **kw)
-    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "1")
+    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "0")
     got, llm = _run(dirs, SPECS[spec], 3, padded=False, **kw)
-    assert llm.engine.runner.upload_in_graph and llm.engine.runner.graphs.num_captured > 0
+    assert not llm.engine.runner.upload_in_graph and llm.engine.runner.graphs.num_captured > 0
     assert got == ref
 
 

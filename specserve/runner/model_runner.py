@@ -258,8 +258,9 @@ class ModelRunner:
         self._floats = _Staging(torch.float32, device, 8 * rows)
         self.graphs = CudaGraphs(rows, self._staging_buffers()) if rows else None
         # a graph step's upload captured in its graph as a copy node, so a replay needs no copy call from the
-        # host (24-33 µs per step on the H200 machine's host); off until the GPU has measured and checked it
-        self.upload_in_graph = os.environ.get("SPECSERVE_GRAPH_UPLOAD") == "1"
+        # host (24-33 µs per step on the H200 machine's host; tokens/s +5% at batch 1 there, BENCHMARKS.md ninth
+        # session); SPECSERVE_GRAPH_UPLOAD=0 makes the copy from the host instead
+        self.upload_in_graph = os.environ.get("SPECSERVE_GRAPH_UPLOAD", "1") != "0"
 
     def prepare(self, batch: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
         """Device inputs of a packed step (``stage`` then ``views``)."""
