@@ -79,16 +79,18 @@ def per_call(ws, t: int) -> list[dict]:
             row["cublas_plus_prologue_us"] = graph_us(lambda: [unfused(w) for w in ws], LAYERS)
         variants = {}
         d = row["default_block"]
-        launches = [(bn, warps, False) for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4),
-                                                         (2 * d, 8))]
-        if t > 1:  # all rows in one tl.dot
-            launches += [(bn, warps, True) for bn, warps in ((16, 4), (16, 8), (32, 4), (32, 8))]
-        for bn, warps, dot in launches:
-            def fn(bn=bn, warps=warps, dot=dot):
+        launches = [(bn, warps, False, 0) for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4),
+                                                            (2 * d, 8))]
+        if t > 1:  # all rows in one program per feature block, a tl.dot per step over K
+            launches += [(bn, warps, True, bk) for bn, warps, bk in ((16, 4, 64), (16, 4, 128), (32, 4, 64),
+                                                                     (32, 4, 128), (16, 8, 256), (64, 4, 64))]
+        for bn, warps, dot, bk in launches:
+            def fn(bn=bn, warps=warps, dot=dot, bk=bk):
                 return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
-                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps, dot=dot)
+                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps, dot=dot,
+                                     block_k=bk or 128)
                         for w in ws]
-            variants[f"{'dot ' if dot else ''}bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
+            variants[f"{f'dot k{bk} ' if dot else ''}bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
         row["fused_us"] = variants
         row["fused_default_us"] = variants.get(f"bn{row['default_block']}/w4")
         best = min(variants, key=variants.get)

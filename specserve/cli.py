@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training-time test")
     tr.add_argument("--draft-vocab", type=int, default=0,
                     help="EAGLE-3: own lm_head over the N most frequent tokens (0: share the target's lm_head)")
+    tr.add_argument("--draft-vocab-shared", action="store_true",
+                    help="with --draft-vocab N: no own lm_head, the target's lm_head rows at those N tokens (a "
+                         "small head file and cheaper draft steps; with --init-from HEAD --steps 0, restricts a "
+                         "head trained on the whole vocabulary)")
     tr.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
                     help="EAGLE-3: the three target layers whose outputs feed the head (default: 1, L/2-1, L-4)")
     tr.add_argument("--seed", type=int, default=0)
@@ -333,7 +337,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
               "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps",
-              "batch_size", "lr", "warmup", "ttt_steps", "draft_vocab", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
+              "batch_size", "lr", "warmup", "ttt_steps", "draft_vocab", "draft_vocab_shared", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
               "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only",
               "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens", "synthetic_openers", "init_from")
     try:

@@ -114,14 +114,16 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     assert [h["step"] for h in again["history"]] == [0, 5, 10, 15, 19, 20, 25, 29]
 
 
-@pytest.mark.parametrize("method,draft_vocab", [("eagle3", 0), ("eagle3", 50), ("mtp", 0)])
-def test_ttt_loss_equals_a_dense_per_position_reference(dirs, method, draft_vocab):
+@pytest.mark.parametrize("method,draft_vocab,shared", [("eagle3", 0, False), ("eagle3", 50, False),
+                                                       ("eagle3", 50, True), ("mtp", 0, False)])
+def test_ttt_loss_equals_a_dense_per_position_reference(dirs, method, draft_vocab, shared):
     """The loss gathers response positions before the vocabulary-sized work; it must equal the plain
     definition: mean over response tokens of soft cross-entropy against the target, per unroll step."""
     from specserve.loaders import load_model
 
     target = load_model(str(dirs / "target"), torch.float32, "cpu").model
-    cfg = TrainConfig(target=None, method=method, prompts=["x"], out="unused", draft_vocab=draft_vocab)
+    cfg = TrainConfig(target=None, method=method, prompts=["x"], out="unused", draft_vocab=draft_vocab,
+                      draft_vocab_shared=shared)
     g = torch.Generator().manual_seed(3)
     data = [{"prompt_ids": torch.randint(0, 100, (int(n),), generator=g).tolist(),
              "response_ids": torch.randint(0, 100, (int(r),), generator=g).tolist()}
@@ -437,3 +439,43 @@ def test_init_from_starts_at_an_exported_heads_weights(dirs, tmp_path):
                                                   init_from=str(dirs / "eagle3")), **over}), tcfg)
     with pytest.raises(ValueError, match="not a head folder"):
         TrainConfig(target=None, method="eagle3", prompts=["x"], out="o", init_from=str(tmp_path / "none"))
+
+
+def test_a_head_restricted_to_a_draft_vocabulary_of_the_targets_rows_exports_loads_and_stays_lossless(dirs, tmp_path):
+    """--init-from HEAD --draft-vocab N --draft-vocab-shared --steps 0: the head keeps its weights and drafts over
+    the target's lm_head rows at the N most frequent tokens of the regenerated responses (no own lm_head)."""
+    from safetensors import safe_open
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(12)))
+    rep = train(TrainConfig(target=str(dirs / "target"), method="eagle3", prompts=[str(prompts)],
+                            out=str(tmp_path / "r"), device="cpu", steps=0, init_from=str(dirs / "eagle3"),
+                            draft_vocab=40, draft_vocab_shared=True, gen_max_tokens=24, eval_max_tokens=12,
+                            export_dtype="float32"))
+    head_dir = tmp_path / "r" / "head"
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 40 and cfg["specserve_training"]["init_from"] == str(dirs / "eagle3")
+    with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    ids = torch.arange(40) + d2t
+    counts = torch.zeros(cfg["vocab_size"], dtype=torch.int64)
+    for d in torch.load(tmp_path / "r" / "data.pt")["train"]:
+        counts += torch.bincount(torch.tensor(d["response_ids"]), minlength=cfg["vocab_size"])
+    assert counts[ids].min() >= counts[~t2d].max() and t2d.sum() == 40 and t2d[ids].all()
+    assert rep["eval"]["holdout"]["acceptance_length"] >= 1.0
+    kw = dict(device="cpu", dtype="float32")
+    spec = LLM(str(dirs / "target"), **kw, speculative_config=dict(method="eagle3", draft_model=str(head_dir),
+                                                                   max_draft_len=3))
+    src = LLM(str(dirs / "target"), **kw, speculative_config=dict(method="eagle3", draft_model=str(dirs / "eagle3"),
+                                                                  max_draft_len=3)).engine.runner.head
+    head = spec.engine.runner.head
+    assert head.lm_head is None and torch.equal(head.fc.weight, src.fc.weight)
+    assert torch.equal(head.lm_weight(), spec.engine.model.lm_weight()[ids])
+    x = torch.randn(3, cfg["hidden_size"])
+    assert torch.equal(head.draft_ids(0, x), ids[head.raw_logits(0, x).argmax(-1)])
+    plain = LLM(str(dirs / "target"), **kw)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts_ = ["Hello world", "Tell me about the number 3."]
+    assert [o.token_ids for o in spec.generate(prompts_, sp)] == [o.token_ids for o in plain.generate(prompts_, sp)]
+    assert spec.engine.spec_stats.num_drafted > 0

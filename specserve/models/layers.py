@@ -9,7 +9,7 @@ from torch import nn
 
 from specserve.config import RopeScaling
 from specserve.kernels.activation import silu_and_mul
-from specserve.kernels.gemv import ADD_NORM, SILU_MUL, fused_linear, gemv_enabled
+from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_linear, gemv_enabled
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -19,6 +19,14 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if gemv_enabled(x, layer.in_features):
         return fused_linear(x, layer.weight, layer.bias)[0]
     return layer(x)
+
+
+def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, H] -> norm(x) @ weight.T [N, V'] in the weights' dtype: a draft head's output layer, one kernel on
+    the few-row GPU path (the norm inside the projection) instead of a norm and a GEMM."""
+    if x.dim() == 2 and gemv_enabled(x, x.shape[-1]):
+        return fused_linear(x, weight, None, NORM, norm_weight=norm.weight, eps=norm.eps)[0]
+    return nn.functional.linear(norm(x), weight)
 
 
 class RMSNorm(nn.Module):

@@ -137,8 +137,11 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in the weights' dtype."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w)
+        return torch.nn.functional.linear(hidden, self.lm_weight())
+
+    def lm_weight(self) -> torch.Tensor:
+        """The output projection [V, H] (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ----------------------------------------------------------------------------------------------
     # weight loading

@@ -3,6 +3,9 @@
 EAGLE-3 (as EAGLE's scripts, SpecForge and vLLM write it): ``config.json`` with ``draft_vocab_size`` and
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` (ids of the target layers whose *input* is captured),
 tensors ``fc.weight, midlayer.*, norm.weight`` and optional ``lm_head.weight, d2t, t2d, embed_tokens.weight``.
+Without ``lm_head.weight`` the head shares the target's lm_head: all of it, or (specserve's variant, when
+``draft_vocab_size`` is smaller than the target's vocabulary and ``d2t`` is there) its rows at the draft
+vocabulary's tokens.
 
 MTP (DeepSeek style): one group of tensors per module under ``model.layers.{i}.`` (i ascending), each with
 ``enorm, hnorm, eh_proj``, one decoder block (``input_layernorm, self_attn.*, post_attention_layernorm,
@@ -188,13 +191,18 @@ def _build_eagle3(spec, raw, tensors, cfg, target_cfg, source) -> Eagle3Head:
         if dv != cfg.vocab_size:
             raise ValueError(f"{source}: a draft vocabulary smaller than the target's needs the 'd2t' tensor")
         tensors["d2t"] = torch.zeros(dv, dtype=torch.int64)
+    # no lm_head but a draft vocabulary (specserve's variant): the target's lm_head rows at those tokens
+    shared = not has_head and dv is not None and dv < cfg.vocab_size
+    if shared and ("d2t" not in tensors or len(tensors["d2t"]) != dv):
+        raise ValueError(f"{source}: draft_vocab_size {dv} without lm_head.weight needs a 'd2t' tensor of {dv} "
+                         "entries (the draft vocabulary's rows of the target's lm_head)")
     own_embed = "embed_tokens.weight" in tensors
-    head = Eagle3Head(cfg, aux, dv if has_head else None, own_embedding=own_embed)
-    if not has_head:
+    head = Eagle3Head(cfg, aux, dv if has_head or shared else None, own_embedding=own_embed, shared_lm_head=shared)
+    if not has_head and not shared:
         tensors["d2t"] = torch.zeros(0, dtype=torch.int64)
     tensors = {k: v for k, v in tensors.items() if k != "t2d"}
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
-    if has_head:
+    if has_head or shared:
         target_ids = torch.arange(dv) + tensors["d2t"]
         if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
             raise ValueError(f"{source}: d2t maps draft ids outside the target vocabulary [0, {cfg.vocab_size})")
@@ -260,7 +268,7 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, extra_config: dict | 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = head.config
     state = unfuse(_float_state(head, dtype), cfg)
-    if head.lm_head is not None:
+    if len(head.d2t):  # an own lm_head over a draft vocabulary, or the target's rows of one
         d2t = head.d2t.detach().cpu().to(torch.int64)
         state["d2t"] = d2t
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -271,7 +279,7 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, extra_config: dict | 
     save_file(state, str(folder / "model.safetensors"))
     conf = dict(_base_config(cfg), torch_dtype=str(dtype).removeprefix("torch."),
                 architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                draft_vocab_size=head.lm_head.out_features if head.lm_head is not None else cfg.vocab_size,
+                draft_vocab_size=len(head.d2t) or cfg.vocab_size,
                 tie_word_embeddings=False,
                 eagle_config={"eagle_aux_hidden_state_layer_ids": [a + 1 for a in head.aux_layers],
                               "use_aux_hidden_state": True})

@@ -20,7 +20,7 @@ from specserve.config import ModelConfig
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.norm import embed_norm_cat
 from specserve.models.attention import AttentionMetadata
-from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear, normed_logits
 from specserve.models.llama import Attention, DecoderLayer
 
 
@@ -156,8 +156,13 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(DraftHead):
+    """EAGLE-3. Its output layer is one of three: the target's lm_head (no draft vocabulary), an own lm_head over
+    a draft vocabulary (``lm_head`` [V', H] and ``d2t``, EAGLE-3's layout), or ``shared_lm_head``: the draft
+    vocabulary's rows of the target's lm_head (``d2t`` only; a small file, and a draft step reads V'/V of the
+    target's output layer)."""
+
     def __init__(self, cfg: ModelConfig, aux_layers: tuple[int, int, int], draft_vocab_size: int | None,
-                 own_embedding: bool = False) -> None:
+                 own_embedding: bool = False, shared_lm_head: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.config = cfg
@@ -165,9 +170,10 @@ class Eagle3Head(DraftHead):
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3Layer(cfg, _rope(cfg))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False) if draft_vocab_size else None
+        own = draft_vocab_size and not shared_lm_head
+        self.lm_head = nn.Linear(h, draft_vocab_size, bias=False) if own else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
-        # draft id -> target id offset (target_id = draft_id + d2t[draft_id]); identity when no own lm_head
+        # draft id -> target id offset (target_id = draft_id + d2t[draft_id]); empty without a draft vocabulary
         self.register_buffer("d2t", torch.zeros(draft_vocab_size or 0, dtype=torch.int64))
 
     def first_hidden(self, hidden, aux):
@@ -177,16 +183,31 @@ class Eagle3Head(DraftHead):
         return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv)
 
     def raw_logits(self, step, out):
-        x = self.norm(out)
-        return self.target.lm_logits(x) if self.lm_head is None else self.lm_head(x)
+        return normed_logits(self.norm, out, self.lm_weight())
+
+    def lm_weight(self) -> torch.Tensor:
+        """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (gathered once
+        per target weight and d2t tensor, outside any capture like ``draft_ids``'s table; a plain tensor even
+        when first gathered in inference mode, so that training can use it afterwards)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        full = self.target.lm_weight()  # [V, H]
+        if len(self.d2t) == 0:
+            return full
+        key = (full.data_ptr(), full.dtype, full.device, self.d2t.data_ptr())
+        if getattr(self, "_rows_key", None) != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._rows = full[self.vocab_ids().to(full.device)].contiguous()  # [V', H]
+            self._rows_key = key
+        return self._rows
 
     def vocab_ids(self):
-        if self.lm_head is None:
+        if len(self.d2t) == 0:
             return None
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def draft_ids(self, step, out):
-        if self.lm_head is None:
+        if len(self.d2t) == 0:
             return argmax_lastdim(self.raw_logits(step, out))
         # the argmax looks its draft id up in a draft id -> target id table, made once per d2t tensor (outside
         # any capture: the first step runs eagerly or as a graph's warm-up run); d2t is replaced, not edited in
@@ -248,8 +269,8 @@ class MTPHead(DraftHead):
 
     def raw_logits(self, step, out):
         mod = self.module(step)
-        x = mod.shared_head_norm(out)
-        return self.target.lm_logits(x) if mod.shared_head_head is None else mod.shared_head_head(x)
+        head = mod.shared_head_head
+        return normed_logits(mod.shared_head_norm, out, self.target.lm_weight() if head is None else head.weight)
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         if self.eagle:

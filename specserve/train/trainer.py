@@ -65,6 +65,7 @@ class TrainConfig:
     ttt_steps: int = 4
     ttt_decay: float = 0.9
     draft_vocab: int = 0  # 0: share the target's lm_head
+    draft_vocab_shared: bool = False  # with draft_vocab: the target's lm_head rows at those tokens, no own lm_head
     aux_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers feeding the head (default (1, L/2-1, L-4))
     seed: int = 0
     device: str | None = None
@@ -108,8 +109,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers",
                      "synthetic_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            if getattr(self, name) < (0 if name == "steps" and self.init_from else 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (0 with --init-from: export it as is)")
+        if self.draft_vocab_shared and not (self.method == "eagle3" and self.draft_vocab > 0):
+            raise ValueError("--draft-vocab-shared needs --method eagle3 and --draft-vocab N")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,12 +192,14 @@ def build_head(cfg: TrainConfig, target, data: list[dict]) -> DraftHead:
     torch.manual_seed(cfg.seed)
     if cfg.method == "eagle3":
         dv = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else None
-        head: DraftHead = Eagle3Head(tcfg, eagle3_layers(cfg, tcfg.num_hidden_layers), dv)
+        head: DraftHead = Eagle3Head(tcfg, eagle3_layers(cfg, tcfg.num_hidden_layers), dv,
+                                     shared_lm_head=cfg.draft_vocab_shared)
         if dv is not None:  # the dv most frequent tokens of the regenerated responses
             counts = torch.zeros(tcfg.vocab_size, dtype=torch.int64)
             for d in data:
                 counts += torch.bincount(torch.tensor(d["response_ids"]), minlength=tcfg.vocab_size)
-            ids = counts.topk(dv).indices.sort().values
+            # most frequent first, ties by token id: the same choice on every machine and torch version
+            ids = torch.sort(counts, descending=True, stable=True).indices[:dv].sort().values
             head.d2t.copy_(ids - torch.arange(dv))
     else:
         head = MTPHead(tcfg, 1, own_head=False, eagle=True)
@@ -218,9 +223,19 @@ def check_init_from(cfg: TrainConfig, tcfg) -> None:
                          f"{list(eagle3_layers(cfg, tcfg.num_hidden_layers))}: give the same --aux-layers")
     dv = raw.get("draft_vocab_size", tcfg.vocab_size)
     want = cfg.draft_vocab if 0 < cfg.draft_vocab < tcfg.vocab_size else tcfg.vocab_size
+    own = (Path(cfg.init_from) / "model.safetensors").is_file() and _has_lm_head(Path(cfg.init_from))
+    if dv == tcfg.vocab_size and not own and cfg.draft_vocab_shared:
+        return  # a head on the target's whole lm_head keeps its weights on a subset of its rows
     if dv != want:
         raise ValueError(f"--init-from {cfg.init_from} drafts over {dv} tokens, this run over {want}: "
                          f"give --draft-vocab {dv if dv < tcfg.vocab_size else 0}")
+
+
+def _has_lm_head(folder: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return "lm_head.weight" in f.keys()
 
 
 def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
@@ -233,8 +248,11 @@ def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
     if tuple(src.aux_layers) != tuple(head.aux_layers):
         raise ValueError(f"--init-from {cfg.init_from} reads target layers {list(src.aux_layers)}, this run "
                          f"{list(head.aux_layers)}: give the same --aux-layers")
+    state = src.state_dict()
+    if len(state["d2t"]) == 0 and getattr(head, "lm_head", None) is None:  # on a subset of the target's rows
+        state["d2t"] = head.d2t
     try:
-        head.load_state_dict(src.state_dict())
+        head.load_state_dict(state)
     except RuntimeError as e:
         raise ValueError(f"--init-from {cfg.init_from} does not fit this run's head (its vocabulary, embedding or "
                          f"lm_head differ; see --draft-vocab): {e}") from None
@@ -451,6 +469,9 @@ def train(cfg: TrainConfig) -> dict:
     steps_done = stopped_early if stopped_early is not None else cfg.steps
     meta = {"specserve_training": {"target": str(cfg.target or "default"), "steps": steps_done,
                                    "ttt_steps": cfg.ttt_steps, "sequences": len(seqs), "seed": cfg.seed}}
+    if cfg.init_from:  # what the starting head had been trained on
+        src = json.loads((Path(cfg.init_from) / "config.json").read_text()).get("specserve_training")
+        meta["specserve_training"].update(init_from=str(cfg.init_from), init_from_training=src)
     (save_eagle3_head if cfg.method == "eagle3" else save_mtp_head)(head.eval(), head_dir, meta, dtype=dtype)
     del target, head, opt
     if torch.cuda.is_available():
