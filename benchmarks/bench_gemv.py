@@ -79,18 +79,12 @@ def per_call(ws, t: int) -> list[dict]:
             row["cublas_plus_prologue_us"] = graph_us(lambda: [unfused(w) for w in ws], LAYERS)
         variants = {}
         d = row["default_block"]
-        launches = [(bn, warps, False, 0) for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4),
-                                                            (2 * d, 8))]
-        if t > 1:  # all rows in one program per feature block, a tl.dot per step over K
-            launches += [(bn, warps, True, bk) for bn, warps, bk in ((16, 4, 64), (16, 4, 128), (32, 4, 64),
-                                                                     (32, 4, 128), (16, 8, 256), (64, 4, 64))]
-        for bn, warps, dot, bk in launches:
-            def fn(bn=bn, warps=warps, dot=dot, bk=bk):
+        for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4), (2 * d, 8)):
+            def fn(bn=bn, warps=warps):
                 return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
-                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps, dot=dot,
-                                     block_k=bk or 128)
+                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps)
                         for w in ws]
-            variants[f"{f'dot k{bk} ' if dot else ''}bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
+            variants[f"bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
         row["fused_us"] = variants
         row["fused_default_us"] = variants.get(f"bn{row['default_block']}/w4")
         best = min(variants, key=variants.get)
@@ -117,24 +111,20 @@ def chains(ws, t: int) -> dict:
             x = F.linear(silu_and_mul(F.linear(h, w["gu"])), w["down"])
         return x
 
-    def fused(dot=False):
+    def fused():
         x, res = x0, torch.zeros_like(x0)
         for w in ws:
-            qkv, res = fused_linear(x, w["qkv"], None, ADD_NORM, res, w["n1"], EPS, dot=dot)
-            o, _ = fused_linear(qkv[:, :H], w["o"], dot=dot)
-            gu, res = fused_linear(o, w["gu"], None, ADD_NORM, res, w["n2"], EPS, dot=dot)
-            x, _ = fused_linear(gu, w["down"], None, SILU_MUL, dot=dot)
+            qkv, res = fused_linear(x, w["qkv"], None, ADD_NORM, res, w["n1"], EPS)
+            o, _ = fused_linear(qkv[:, :H], w["o"])
+            gu, res = fused_linear(o, w["gu"], None, ADD_NORM, res, w["n2"], EPS)
+            x, _ = fused_linear(gu, w["down"], None, SILU_MUL)
         return x
 
     a, b = unfused(), fused()
     err = ((a.float() - b.float()).norm() / a.float().norm()).item()
     out = dict(tokens=t, unfused_us=graph_us(unfused, 1), fused_us=graph_us(fused, 1), rel_err=err)
-    msg = ""
-    if t > 1:
-        out["fused_dot_us"] = graph_us(lambda: fused(dot=True), 1)
-        msg = f", fused with the tile kernel {out['fused_dot_us']:.1f} µs"
     print(f"chain of {LAYERS} layers t={t}: unfused (7 kernels/layer) {out['unfused_us']:.1f} µs, fused (4) "
-          f"{out['fused_us']:.1f} µs{msg}, relative difference {err:.2e}", flush=True)
+          f"{out['fused_us']:.1f} µs, relative difference {err:.2e}", flush=True)
     return out
 
 

@@ -4,7 +4,7 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
-#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvdot]
+#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -12,9 +12,9 @@
 # with batch 1 it ran out of 200 s and 300 s: 64 prompts at batch 1 take that long); scale1 SCALE_S, default 200
 # (batch 1 only, 8 prompts, its whole log in $OUT/scale1.log; about 100 s); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 300; sweep 240; host 150; cprofile 150; humaneval 150 (needs
-# .traindata carried); gemv 150 and gemvsteps 3 x 120 (no model file needed: random weights); upload 2 x 150; uploadr (random weights) 2 x 100;
-# graphtests 120 (random tiny models); gemvdot 200 (the few-row kernels' GPU checks);
-# GEMVSTEPS="1 dot" picks gemvsteps' variants; humaneval writes humaneval-<head folder name>;
+# .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights); upload 2 x 150; uploadr (random weights) 2 x 100;
+# graphtests 120 (random tiny models); gemvkernels 200 (the few-row kernels' GPU checks);
+# humaneval writes humaneval-<head folder name>;
 # hfc 300.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
@@ -64,9 +64,9 @@ for st in $stages; do
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
     gemv) timeout 150 python3 benchmarks/bench_gemv.py --json $OUT/gemv.json 2>&1 | grep -v Warning | tail -16 ;;
-    gemvdot) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k check_gemv 2>&1 | tail -4 ;;
-    gemvsteps) for g in ${GEMVSTEPS:-0 1 dot}; do echo "--- SPECSERVE_GEMV=${g/dot/1} SPECSERVE_GEMV_ROWS=$g"
-             SPECSERVE_GEMV=${g/dot/1} SPECSERVE_GEMV_ROWS=$g timeout 120 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+    gemvkernels) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k check_gemv 2>&1 | tail -4 ;;
+    gemvsteps) for g in 0 1; do echo "--- SPECSERVE_GEMV=$g"
+             SPECSERVE_GEMV=$g timeout 120 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.55} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/gemvsteps-$g 2>&1 | quiet | tail -12; done ;;
     upload) for u in 0 1; do echo "--- SPECSERVE_GRAPH_UPLOAD=$u"

@@ -18,7 +18,7 @@ from specserve.kernels.attention import paged_attention_flex, paged_attention_sd
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
-from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, dot_fits, fused_linear, gemv_enabled, linear_ref
+from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -255,20 +255,17 @@ def check_gemv(device, dtype):
                                ("silu-mul", (gu, w, None, SILU_MUL)),
                                ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
                 ref, rr = linear_ref(*args)
-                for dot in (False, True) if dot_fits(x, k) else (False,):  # per row; all rows in one tl.dot
-                    out, r = fused_linear(*args, dot=dot)
-                    _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t} dot={dot}")
-                    assert (r is None) == (rr is None)
-                    if rr is not None:
-                        assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
+                out, r = fused_linear(*args)
+                _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t}")
+                assert (r is None) == (rr is None)
+                if rr is not None:
+                    assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
             if t < 3:
                 continue
-            # each token row rounds as it would alone (with the per-row kernel: a verify step's rows equal
-            # decode steps'; the tile kernel's rows do not depend on how many there are either)
-            for dot in (False, True) if dot_fits(x, k) else (False,):
-                one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5, dot=dot)
-                all_rows, _ = fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5, dot=dot)
-                assert torch.equal(one[0], all_rows[2]), f"row independence dot={dot}"
+            # each token row rounds as it would alone: a verify step's rows equal decode steps'
+            one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5)
+            all_rows, _ = fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5)
+            assert torch.equal(one[0], all_rows[2]), "row independence"
 
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,

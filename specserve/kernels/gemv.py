@@ -9,8 +9,8 @@ of loads, no loop over K), computes the row's prologue — nothing, (residual ad
 from L2), and each row's arithmetic is the same whatever the number of rows, so a verify step of 1 + D
 tokens rounds every token as a decode step does. Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
-An experimental tile kernel (``SPECSERVE_GEMV_ROWS=dot``, see ``use_dot``) takes steps of several rows in one
-program per feature block instead, looping over K with one ``tl.dot`` per step.
+(A tile kernel taking all rows of a step in one program per feature block, with ``tl.dot``, was slower on the
+H200 both loading K whole and looping over it: docs/BENCHMARKS.md, eighth and ninth sessions.)
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ except ImportError:
 MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights better)
 MAX_K = 2048  # widest reduced dimension loaded in one piece
 TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
-DOT_N = 16  # output features per program of the tile kernel (tl.dot's smallest N; its rows pad to 16, the smallest M)
-DOT_K = 128  # the tile kernel's step over K
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
 
 
@@ -64,27 +62,10 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
     return (out if add is None else out + add), new_res
 
 
-def use_dot(t: int, x: torch.Tensor, k: int) -> bool:
-    """Whether a step of t > 1 rows takes the tile kernel (all rows in one ``tl.dot`` per program) instead of one
-    program per row: ``SPECSERVE_GEMV_ROWS=dot``, an experiment until the GPU measures it (per row is the
-    default: its programs multiply with the rows, so a verify step's gate/up projection runs in several waves).
-    The tile kernel sums in another order than the per-row one, so with it a verify step no longer rounds each
-    token as a decode step does (as with cuBLAS, whose kernels change with the row count)."""
-    return t > 1 and os.environ.get("SPECSERVE_GEMV_ROWS") == "dot" and dot_fits(x, k)
-
-
-def dot_fits(x: torch.Tensor, k: int) -> bool:
-    """The tile kernel's [16, K] pass for the rows' norms stays within registers (bf16 / fp16 up to K = 2048,
-    fp32 1024) and the kernel has not failed to build here."""
-    return triton.next_power_of_2(k) * x.element_size() <= 4096 and kernel_usable("gemv_dot")
-
-
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                 add=None, block: int | None = None, num_warps: int | None = None, dot: bool | None = None,
-                 block_k: int = DOT_K, num_stages: int = 3):
+                 add=None, block: int | None = None, num_warps: int = 4):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
-    ``block`` / ``num_warps`` / ``dot`` (/ ``block_k`` / ``num_stages`` of the tile kernel) override the launch
-    (benchmarks and checks; ``dot`` only where ``dot_fits``). ADD_NORM returns the new residual stream
+    ``block`` / ``num_warps`` override the launch (benchmarks). ADD_NORM returns the new residual stream
     (x + residual) as the second value."""
     n, k = weight.shape
     rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
@@ -93,23 +74,17 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     t = x.shape[0]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
-    dot = use_dot(t, x, k) if dot is None else dot and dot_fits(x, k)
-    bn = block or (DOT_N if dot else block_n(n, k))
-    num_warps = num_warps or 4
-    kp = triton.next_power_of_2(k)
-    kernel, grid, extra = ((_gemv_dot_kernel, (triton.cdiv(n, bn),),
-                            dict(IEEE=x.dtype == torch.float32, KP=kp, num_stages=num_stages)) if dot
-                           else (_gemv_kernel, (triton.cdiv(n, bn), t), {}))
+    bn = block or block_n(n, k)
     try:
-        kernel[grid](
+        _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            BLOCK_N=bn, BLOCK_K=min(block_k, kp) if dot else kp, num_warps=num_warps, **extra)
+            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
-        kernel_failed("gemv_dot" if dot else "gemv", e)
+        kernel_failed("gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
     return out, res_out
 
@@ -157,60 +132,3 @@ if triton is not None:
         if HAS_ADD:
             acc += tl.load(add + cols, mask=nm, other=0.0).to(tl.float32)
         tl.store(out + cols, acc.to(out.dtype.element_ty), mask=nm)
-
-    @triton.jit
-    def _gemv_dot_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
-                         PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KP: tl.constexpr, IEEE: tl.constexpr):
-        """All T rows of a step in one program per ``BLOCK_N`` output features: every row's norm in one
-        reduction over the [16, K] tile of rows, then a loop over K in ``BLOCK_K`` steps, each applying the
-        prologue to a [16, BLOCK_K] slice of the rows and multiplying it with the weights' slice in a
-        ``tl.dot`` (the loop lets the compiler prefetch the next slices)."""
-        pid = tl.program_id(0)
-        rows = tl.arange(0, 16)
-        rm = rows < T
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = cols < N
-        x_at = X + rows[:, None].to(tl.int64) * s_x
-        r_at = RES + rows[:, None].to(tl.int64) * s_r
-        rstd = tl.zeros((16,), dtype=tl.float32)
-        if PROLOGUE == 1 or PROLOGUE == 2:  # the rows' norms (x + residual rounded to the stream's dtype)
-            kk = tl.arange(0, KP)
-            m2 = rm[:, None] & (kk < K)[None, :]
-            x = tl.load(x_at + kk[None, :], mask=m2, other=0.0)
-            if PROLOGUE == 2:
-                x = x + tl.load(r_at + kk[None, :], mask=m2, other=0.0)
-                if pid == 0:
-                    tl.store(RES_OUT + rows[:, None].to(tl.int64) * K + kk[None, :], x, mask=m2)
-            x32 = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=1) / K + eps)
-        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # (names of their own: a loop may not retype the prologue's tensors)
-            ks = k0 + tl.arange(0, BLOCK_K)
-            km = ks < K
-            mk = rm[:, None] & km[None, :]
-            if PROLOGUE == 3:
-                g = tl.load(x_at + ks[None, :], mask=mk, other=0.0).to(tl.float32)
-                u = tl.load(x_at + K + ks[None, :], mask=mk, other=0.0)
-                a = (g / (1.0 + tl.exp(-g))).to(u.dtype) * u
-            else:
-                xk = tl.load(x_at + ks[None, :], mask=mk, other=0.0)
-                if PROLOGUE == 2:
-                    xk = xk + tl.load(r_at + ks[None, :], mask=mk, other=0.0)
-                if PROLOGUE == 1 or PROLOGUE == 2:
-                    nw = tl.load(NW + ks, mask=km, other=0.0).to(tl.float32)
-                    a = (nw[None, :] * (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)).to(xk.dtype)
-                else:
-                    a = xk
-            w = tl.load(W + cols[:, None].to(tl.int64) * s_w + ks[None, :], mask=nm[:, None] & km[None, :],
-                        other=0.0)
-            if IEEE:
-                acc += tl.dot(a, tl.trans(w), input_precision="ieee")  # [16, BLOCK_N] float32
-            else:
-                acc += tl.dot(a, tl.trans(w))
-        if HAS_BIAS:
-            acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)[None, :]
-        mo = rm[:, None] & nm[None, :]
-        if HAS_ADD:
-            acc += tl.load(ADD + rows[:, None].to(tl.int64) * s_a + cols[None, :], mask=mo, other=0.0).to(tl.float32)
-        tl.store(OUT + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mo)
