@@ -19,12 +19,14 @@ if os.environ.get("SPECSERVE_BUILD_SM"):  # also build each launched kernel for 
 root = Path(tempfile.mkdtemp())
 make_hf_model(root / "t", "llama", initializer_range=0.4, num_hidden_layers=2)
 make_head(root / "e3", root / "t", "eagle3", own_head=False, seed=1)
+# the same head's weights drafting over 60 of the target's lm_head rows (gathered rows, mapped argmax)
+make_head(root / "e3v", root / "t", "eagle3", own_head=False, draft_vocab=60, seed=1)
 sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def run(backend: str, spec: bool, padded: bool) -> list[list[int]]:
+def run(backend: str, spec: bool, padded: bool, head: str = "e3") -> list[list[int]]:
     llm = LLM(str(root / "t"), device="cpu", dtype="float32", attention_backend=backend, max_num_batched_tokens=9,
-              speculative_config=dict(method="eagle3", draft_model=str(root / "e3"), max_draft_len=3) if spec else None)
+              speculative_config=dict(method="eagle3", draft_model=str(root / head), max_draft_len=3) if spec else None)
     if padded:
         llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
     return [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
@@ -39,6 +41,9 @@ for spec in (False, True):
         same = run("triton", spec, padded) == ref
         bad += not same
         print(f"triton spec={spec} padded={padded}: {'ok' if same else 'DIFFERENT'}", flush=True)
+same = run("triton", True, True, "e3v") == ref
+bad += not same
+print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)
 from specserve import kernels  # noqa: E402
 
 if kernels.FAILED:  # a kernel fell back to its reference: the comparison above did not test it

@@ -108,6 +108,7 @@ def test_padded_layout_with_the_upload_in_the_step_equals_packed(dirs, spec, mon
     """The default (the upload captured in the step): staging leaves the copy to the step (on the CPU there is
     none to make) and the graph key carries the record size; SPECSERVE_GRAPH_UPLOAD=0 copies from the host."""
     ref, _ = _run(dirs, SPECS[spec], 3, padded=False)
+    monkeypatch.delenv("SPECSERVE_GRAPH_UPLOAD", raising=False)
     got, llm = _run(dirs, SPECS[spec], 3, padded=True)
     assert llm.engine.runner.upload_in_graph
     assert got == ref

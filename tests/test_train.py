@@ -3,6 +3,7 @@ exports a head that loads and drafts; prompt files in common shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 
@@ -463,7 +464,7 @@ def test_a_head_restricted_to_a_draft_vocabulary_of_the_targets_rows_exports_loa
     for d in torch.load(tmp_path / "r" / "data.pt")["train"]:
         counts += torch.bincount(torch.tensor(d["response_ids"]), minlength=cfg["vocab_size"])
     assert counts[ids].min() >= counts[~t2d].max() and t2d.sum() == 40 and t2d[ids].all()
-    assert rep["eval"]["holdout"]["acceptance_length"] >= 1.0
+    assert len(rep["eval"]["holdout"]["per_position_acceptance"]) == 4
     kw = dict(device="cpu", dtype="float32")
     spec = LLM(str(dirs / "target"), **kw, speculative_config=dict(method="eagle3", draft_model=str(head_dir),
                                                                    max_draft_len=3))
@@ -479,3 +480,28 @@ def test_a_head_restricted_to_a_draft_vocabulary_of_the_targets_rows_exports_loa
     prompts_ = ["Hello world", "Tell me about the number 3."]
     assert [o.token_ids for o in spec.generate(prompts_, sp)] == [o.token_ids for o in plain.generate(prompts_, sp)]
     assert spec.engine.spec_stats.num_drafted > 0
+
+
+def test_init_from_an_mtp_head_and_own_or_shared_output_layers(dirs, tmp_path):
+    """MTP heads start from an exported one too (they have no draft vocabulary); an EAGLE-3 head with a draft
+    vocabulary starts only from one whose output layer is the same kind (own lm_head, or the target's rows)."""
+    from specserve.loaders import load_config, load_model
+    from specserve.train.trainer import check_init_from, init_from_head
+
+    target = load_model(str(dirs / "target"), torch.float32, "cpu").model
+    make_head(tmp_path / "mtp", dirs / "target", "mtp", own_head=False, seed=2)  # as train-draft exports them
+    cfg = TrainConfig(target=None, method="mtp", prompts=["x"], out="unused", init_from=str(tmp_path / "mtp"))
+    head = build_head(cfg, target, [{"prompt_ids": [1, 2], "response_ids": [3]}])
+    init_from_head(head, cfg, target, "cpu")
+    src = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=dict(
+        method="mtp", draft_model=str(tmp_path / "mtp"), max_draft_len=2)).engine.runner.head
+    assert torch.equal(head.modules_[0].eh_proj.weight, src.modules_[0].eh_proj.weight.float())
+    tcfg = load_config(str(dirs / "target"))
+    make_head(tmp_path / "own", dirs / "target", "eagle3", draft_vocab=50, seed=3)
+    make_head(tmp_path / "rows", dirs / "target", "eagle3", draft_vocab=50, own_head=False, seed=3)
+    for folder, shared, msg in (("own", True, "leave out --draft-vocab-shared"), ("rows", False, "give --draft-vocab-shared")):
+        bad = TrainConfig(target=None, method="eagle3", prompts=["x"], out="unused", init_from=str(tmp_path / folder),
+                          draft_vocab=50, draft_vocab_shared=shared)
+        with pytest.raises(ValueError, match=msg):
+            check_init_from(bad, tcfg)
+        check_init_from(dataclasses.replace(bad, draft_vocab_shared=not shared), tcfg)

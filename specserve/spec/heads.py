@@ -187,14 +187,14 @@ class Eagle3Head(DraftHead):
 
     def lm_weight(self) -> torch.Tensor:
         """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (gathered once
-        per target weight and d2t tensor, outside any capture like ``draft_ids``'s table; a plain tensor even
-        when first gathered in inference mode, so that training can use it afterwards)."""
+        per target weight and d2t tensor and their versions, outside any capture like ``draft_ids``'s table; a
+        plain tensor even when first gathered in inference mode, so that training can use it afterwards)."""
         if self.lm_head is not None:
             return self.lm_head.weight
         full = self.target.lm_weight()  # [V, H]
         if len(self.d2t) == 0:
             return full
-        key = (full.data_ptr(), full.dtype, full.device, self.d2t.data_ptr())
+        key = (_tensor_key(full), _tensor_key(self.d2t))
         if getattr(self, "_rows_key", None) != key:
             with torch.inference_mode(False), torch.no_grad():
                 self._rows = full[self.vocab_ids().to(full.device)].contiguous()  # [V', H]
@@ -209,10 +209,9 @@ class Eagle3Head(DraftHead):
     def draft_ids(self, step, out):
         if len(self.d2t) == 0:
             return argmax_lastdim(self.raw_logits(step, out))
-        # the argmax looks its draft id up in a draft id -> target id table, made once per d2t tensor (outside
-        # any capture: the first step runs eagerly or as a graph's warm-up run); d2t is replaced, not edited in
-        # place, on loading
-        key = (self.d2t.data_ptr(), self.d2t.device)
+        # the argmax looks its draft id up in a draft id -> target id table, made once per d2t tensor and
+        # version (outside any capture: the first step runs eagerly or as a graph's warm-up run)
+        key = _tensor_key(self.d2t)
         if getattr(self, "_t_ids_key", None) != key:
             self._t_ids, self._t_ids_key = self.vocab_ids(), key
         return argmax_lastdim(self.raw_logits(step, out), self._t_ids)
@@ -295,6 +294,16 @@ class MTPHead(DraftHead):
             ext[rows, col] = torch.where(x.draft_ok, tok, ext[rows, col])
             h = out
         return torch.stack(drafts, dim=1)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What a table derived from ``t`` depends on: its storage, dtype, device and in-place edits (an inference
+    tensor keeps no version counter; none is edited in place)."""
+    try:
+        version = t._version
+    except RuntimeError:
+        version = -1
+    return t.data_ptr(), t.dtype, t.device, version
 
 
 def _rope(cfg: ModelConfig) -> RotaryEmbedding:

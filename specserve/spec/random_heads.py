@@ -12,12 +12,13 @@ from specserve.spec.heads import DraftHead, Eagle3Head, MTPHead
 
 def random_head(cfg: ModelConfig, method: str = "eagle3", draft_vocab: int | None = None, num_modules: int = 1,
                 own_head: bool = True, seed: int = 0) -> DraftHead:
-    """EAGLE-3 (with a random draft vocabulary of ``draft_vocab`` target ids, or the target's lm_head when
-    ``own_head`` is False) or MTP (``num_modules`` modules) with random weights and perturbed norms."""
+    """EAGLE-3 (with a random draft vocabulary of ``draft_vocab`` target ids; ``own_head`` False: the target's
+    lm_head, all of it or its rows at those ids) or MTP (``num_modules`` modules) with random weights and
+    perturbed norms."""
     torch.manual_seed(seed)
     if method == "eagle3":
-        dv = (draft_vocab or cfg.vocab_size) if own_head else None
-        head: DraftHead = Eagle3Head(cfg, default_eagle3_layers(cfg.num_hidden_layers), dv)
+        dv = (draft_vocab or cfg.vocab_size) if own_head else draft_vocab
+        head: DraftHead = Eagle3Head(cfg, default_eagle3_layers(cfg.num_hidden_layers), dv, shared_lm_head=not own_head)
         if dv is not None and dv < cfg.vocab_size:
             ids = torch.randperm(cfg.vocab_size)[:dv].sort().values
             head.d2t.copy_(ids - torch.arange(dv))

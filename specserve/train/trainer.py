@@ -109,8 +109,11 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("steps", "batch_size", "ttt_steps", "gen_max_tokens", "max_seq_len", "gen_workers",
                      "synthetic_max_tokens"):
-            if getattr(self, name) < (0 if name == "steps" and self.init_from else 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (0 with --init-from: export it as is)")
+            if name == "steps" and self.init_from:
+                if self.steps < 0:
+                    raise ValueError("--steps must be >= 0 (0 with --init-from: export that head as it is)")
+            elif getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.draft_vocab_shared and not (self.method == "eagle3" and self.draft_vocab > 0):
             raise ValueError("--draft-vocab-shared needs --method eagle3 and --draft-vocab N")
 
@@ -229,6 +232,9 @@ def check_init_from(cfg: TrainConfig, tcfg) -> None:
     if dv != want:
         raise ValueError(f"--init-from {cfg.init_from} drafts over {dv} tokens, this run over {want}: "
                          f"give --draft-vocab {dv if dv < tcfg.vocab_size else 0}")
+    if dv < tcfg.vocab_size and own == cfg.draft_vocab_shared:
+        raise ValueError(f"--init-from {cfg.init_from} {'has' if own else 'has no'} lm_head of its own: "
+                         f"{'leave out' if own else 'give'} --draft-vocab-shared")
 
 
 def _has_lm_head(folder: Path) -> bool:
@@ -249,7 +255,7 @@ def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
         raise ValueError(f"--init-from {cfg.init_from} reads target layers {list(src.aux_layers)}, this run "
                          f"{list(head.aux_layers)}: give the same --aux-layers")
     state = src.state_dict()
-    if len(state["d2t"]) == 0 and getattr(head, "lm_head", None) is None:  # on a subset of the target's rows
+    if "d2t" in state and len(state["d2t"]) == 0 and head.lm_head is None:  # on a subset of the target's rows
         state["d2t"] = head.d2t
     try:
         head.load_state_dict(state)
