@@ -18,15 +18,11 @@
 # hfc 300.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+source "$(dirname "$0")/gpu_env.sh"
 M=/root/model.gguf
 HEAD=${HEAD:-specserve/heads/smollm2-135m-eagle3}  # HEAD=DIR: a head not yet in the package
 stages=${*:-tests default throughput scale}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" -e "100%|" ; }  # finished bars out; a killed run keeps its last
 for st in $stages; do
   echo "===== $st $(date +%T)"
   case $st in

@@ -6,17 +6,13 @@
 #   OUT=... VOCABS="4096 8192 16384" bash benchmarks/gpu_vocab.sh
 # Back in $OUT: data.pt (the regenerated responses: the heads are rebuilt from it anywhere with the same
 # command and --steps 0) and report-<N>.json (acceptance on held-out, HumanEval and alpaca prompts).
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
+source "$(dirname "$0")/gpu_env.sh"
 D=.traindata
 P="--prompts $D/gpteacher-codegen-instruct.json $D/gpteacher-roleplay-instruct.json $D/gpteacher-toolformer-instruct.json
    --eval-prompts $D/HumanEval.jsonl.gz $D/alpaca-seed-tasks.jsonl"
 T=/root/model.gguf
 H=specserve/heads/smollm2-135m-eagle3
 W=/root/vocab
-quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" -e "100%|" -e "req/s\]" ; }
 echo "===== regenerate $(date +%T)"
 timeout 200 python3 -m specserve.cli train-draft --target $T --method eagle3 --out $W/regen $P --regenerate-only \
   --max-prompts 2824 --holdout 0.25 --gen-workers 4 --gen-max-tokens 256 2>&1 | quiet | tail -5
