@@ -188,3 +188,12 @@ def make_head(folder: Path, target_folder: Path, method: str = "eagle3", num_mod
     head = random_head(cfg, method, draft_vocab, num_modules, own_head, seed)
     (save_eagle3_head if method == "eagle3" else save_mtp_head)(head, folder)
     return folder
+
+
+def make_train_dirs(root: Path) -> Path:
+    """The training tests' target (8 layers, large weights so that its outputs vary) and its random EAGLE-3 (on
+    the target's lm_head) and MTP heads, under ``root``."""
+    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=8)
+    make_head(root / "eagle3", root / "target", "eagle3", seed=1, own_head=False)
+    make_head(root / "mtp", root / "target", "mtp", num_modules=1, seed=2)
+    return root
