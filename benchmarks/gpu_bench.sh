@@ -4,7 +4,7 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
-#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels]
+#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag] [rpp]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -15,7 +15,8 @@
 # .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights); upload 2 x 150; uploadr (random weights) 2 x 100;
 # graphtests 120 (random tiny models); gemvkernels 200 (the few-row kernels' GPU checks);
 # humaneval writes humaneval-<head folder name>;
-# hfc 300.
+# hfc 300; diag (random weights: host profile with device events, graph-replay kernel profiles) ~200;
+# rpp (random weights, SPECSERVE_GEMV_RPP 1 then 5, with step replays) 2 x 100.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -72,6 +73,15 @@ for st in $stages; do
              SPECSERVE_GRAPH_UPLOAD=$u timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 256 --num-prompts 8 --repeats 3 --out $OUT/uploadr-$u 2>&1 | quiet | tail -9; done ;;
+    diag) timeout 150 python3 benchmarks/profile_host.py --model random:smollm2-135m --draft random \
+             --forced-acceptance ${FORCED:-2.58} --num-prompts 8 --repeats 3 --events --json $OUT/host-random.json 2>&1 | quiet | tail -22
+           for s in "--forced-acceptance ${FORCED:-2.58} --draft random" --no-spec; do
+             timeout 90 python3 benchmarks/profile_step.py --model random:smollm2-135m $s --graphs --context 256 --top 45 \
+             2>&1 | quiet | tail -48; done ;;
+    rpp) for r in 1 5; do echo "--- SPECSERVE_GEMV_RPP=$r"
+             SPECSERVE_GEMV_RPP=$r timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+             --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
+             --max-tokens 256 --num-prompts 8 --repeats 3 --steps 1 --out $OUT/rpp-$r 2>&1 | quiet | tail -9; done ;;
     graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -6 ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \

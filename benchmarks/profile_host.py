@@ -7,10 +7,13 @@ layout), stage (a graph step's record and its upload; of which reserve, the pinn
 copy), launch (the graph replay call, which returns once the work is
 queued), wait (the one device -> host copy: mostly the device finishing the step), results (turning the copy
 into per-row results), update (scheduler bookkeeping), detokenize, outputs (``RequestOutput`` objects), and
-the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each.
+the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each. With
+``--events``, gpu is the device's time of the step's replay (CUDA events around the launch), so wall - gpu is
+what the host adds to a step.
 
     python benchmarks/profile_host.py [--model M] [--draft HEAD] [--num-prompts 16] [--max-tokens 256]
                                       [--cprofile N]   (also: cProfile's N costliest functions of one more run)
+                                      [--forced-acceptance AL] [--events]
 """
 
 from __future__ import annotations
@@ -68,12 +71,15 @@ class _TimedTensor:
         return out
 
 
-def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0) -> dict:
-    spec = dict(method="eagle3", draft_model=draft, max_draft_len=4) if draft else None
+def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0, forced: float | None = None,
+        events: bool = False) -> dict:
+    spec = dict(method="eagle3", draft_model=draft, max_draft_len=4, forced_acceptance=forced) if draft else None
     llm = LLM(model, speculative_config=spec, max_num_seqs=1)
     eng = llm.engine
-    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    chat = llm.tokenizer.has_chat_template  # random models' word-level tokenizers have no template
+    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.tokenizer.encode(p)
+           for p in prompts]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=forced is not None)
     llm.generate([{"prompt_token_ids": x} for x in ids], sp)  # warm-up: graph capture
     tm = Timers()
     runner = eng.runner
@@ -93,11 +99,18 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0)
 
         def run_timed(key, step):
             t0 = time.perf_counter()
+            if events:  # the device's time for this replay alone (it starts when the launch reaches it)
+                ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev[0].record()
             out = real_run(key, step)
+            if events:
+                ev[1].record()
+                gpu_events.append(ev)
             tm.total["launch"] += time.perf_counter() - t0
             return _TimedTensor(out, tm) if isinstance(out, torch.Tensor) else out
 
         graphs.run = run_timed
+    gpu_events: list = []
     gc.callbacks.append(tm.gc_callback)
     best = None
     for _ in range(repeats):
@@ -111,6 +124,11 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0)
         wall = time.perf_counter() - t0
         steps = eng.num_steps - before[3]
         per = {k: (v - before[0].get(k, 0.0)) / steps * 1e6 for k, v in tm.total.items()}
+        if gpu_events:  # device time of the replays: their sum over the run's steps, and the median replay
+            ms = sorted(a.elapsed_time(b) for a, b in gpu_events)
+            per["gpu"] = sum(ms) / steps * 1e3
+            per["gpu_median"] = ms[len(ms) // 2] * 1e3
+            gpu_events.clear()
         res = dict(wall_s=wall, steps=steps, tokens=sum(len(o.outputs[0].token_ids) for o in outs),
                    gc_ms=(tm.gc_s - before[1]) * 1e3, gc_count=tm.gc_count - before[2], us_per_step=per)
         if best is None or wall < best["wall_s"]:
@@ -153,6 +171,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cprofile", type=int, default=0, help="print cProfile's N costliest functions")
+    ap.add_argument("--forced-acceptance", type=float, default=None,
+                    help="forced acceptance length (random heads; runs ignore end of sequence)")
+    ap.add_argument("--events", action="store_true",
+                    help="also time each replay on the device with CUDA events (adds ~2 records per step)")
     a = ap.parse_args()
     from specserve.heads import default_speculative_config
 
@@ -160,8 +182,8 @@ def main() -> None:
     prompts = DEFAULT_PROMPTS[:a.num_prompts]
     out = {}
     for name, d in (("off", None), ("on", draft)):
-        out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile)
-    keys = ["wall", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait", "results", "update",
+        out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile, a.forced_acceptance, a.events)
+    keys = ["wall", "gpu", "gpu_median", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait", "results", "update",
             "detokenize", "outputs", "step_other", "generate_other"]
     print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))
     for k in keys:

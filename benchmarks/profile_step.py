@@ -4,6 +4,8 @@ The engine runs eagerly (``enforce_eager``) under ``torch.profiler`` for ``--ste
 ``--batch`` and context ``--context``; kernels are grouped by name and reported per step (count, microseconds).
 The sum is the device's busy time per step: a CUDA-graph replay of the same step costs that plus the gaps
 between kernels, so comparing it with ``specserve bench --steps`` separates slow kernels from many kernels.
+``--graphs`` profiles the replays the engine really runs instead, and splits the device's timeline into
+kernels, the gaps between a step's kernels and idle time between steps (the host's share).
 
     python benchmarks/profile_step.py --model random:llama-3.1-8b --draft random --forced-acceptance 1.64 \\
         --context 512 --json prof.json
@@ -40,15 +42,26 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5) -> dict:
             eng.step()
         torch.cuda.synchronize()
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         per[e.name][0] += 1
         per[e.name][1] += e.time_range.elapsed_us()
+        spans.append((e.time_range.start, e.time_range.end))
     rows = sorted(((n, c / steps, us / steps) for n, (c, us) in per.items()), key=lambda r: -r[2])
+    # the device's timeline: gaps between one kernel's end and the next one's start, those of at most
+    # ``idle_us`` counted as inside a step (launch latency between a graph's kernels), longer ones as idle
+    # (the host's time between steps)
+    spans.sort()
+    gaps = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
+    idle_us = 40.0
+    timeline = {"span_us_per_step": (spans[-1][1] - spans[0][0]) / steps if spans else 0.0,
+                "gaps_in_steps_us_per_step": sum(g for g in gaps if g <= idle_us) / steps,
+                "idle_us_per_step": sum(g for g in gaps if g > idle_us) / steps}
     for r in list(eng.requests):
         eng.abort_request(r)
-    return {"batch": batch, "context": context, "steps": steps,
+    return {"batch": batch, "context": context, "steps": steps, **timeline,
             "kernels_per_step": sum(r[1] for r in rows), "busy_us_per_step": sum(r[2] for r in rows),
             "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows]}
 
@@ -68,6 +81,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kv-cache-memory", type=int, default=None)
+    ap.add_argument("--graphs", action="store_true",
+                    help="profile the CUDA-graph replays the engine runs (default: eager steps, kernel by kernel)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     spec = None
@@ -76,11 +91,13 @@ def main() -> None:
         if a.forced_acceptance is not None:
             spec["forced_acceptance"] = a.forced_acceptance
     kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
-    llm = LLM(a.model, enforce_eager=True, speculative_config=spec, max_num_seqs=a.batch,
+    llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch,
               max_num_batched_tokens=max(2048, a.context + 1), **kw)
     res = profile(llm, a.batch, a.context, a.steps)
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
           f"(batch {a.batch}, context {a.context}, {'no speculation' if a.no_spec else f'D = {a.draft_len}'})")
+    print(f"device timeline per step: {res['span_us_per_step']:.0f} us, of which gaps between a step's kernels "
+          f"{res['gaps_in_steps_us_per_step']:.0f} us and idle (> 40 us, the host) {res['idle_us_per_step']:.0f} us")
     for k in res["kernels"][:a.top]:
         print(f"{k['us']:9.1f} us  x{k['count']:5.1f}  {k['name'][:110]}")
     if a.json:

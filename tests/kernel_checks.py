@@ -266,6 +266,12 @@ def check_gemv(device, dtype):
             one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5)
             all_rows, _ = fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5)
             assert torch.equal(one[0], all_rows[2]), "row independence"
+            # several rows per program (the weight tile reused; a partial last group) round alike too
+            for rpp in (2, 3):
+                grouped, _ = fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5, rows_per_program=rpp)
+                assert torch.equal(grouped, all_rows), f"gemv rows_per_program={rpp} n={n} k={k} t={t}"
+                g_silu, _ = fused_linear(gu, w, bias, SILU_MUL, rows_per_program=rpp)
+                assert torch.equal(g_silu, fused_linear(gu, w, bias, SILU_MUL)[0]), f"gemv silu rpp={rpp}"
 
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,

@@ -63,10 +63,11 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
 
 
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                 add=None, block: int | None = None, num_warps: int = 4):
+                 add=None, block: int | None = None, num_warps: int = 4, rows_per_program: int | None = None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
-    ``block`` / ``num_warps`` override the launch (benchmarks). ADD_NORM returns the new residual stream
-    (x + residual) as the second value."""
+    ``block`` / ``num_warps`` / ``rows_per_program`` override the launch (benchmarks; a program computing
+    several rows reuses its weight tile for them, each row's arithmetic unchanged). ADD_NORM returns the new
+    residual stream (x + residual) as the second value."""
     n, k = weight.shape
     rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
     if not gemv_enabled(x, k) or weight.stride(1) != 1 or not rows_ok:
@@ -75,14 +76,16 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
     bn = block or block_n(n, k)
+    if rows_per_program is None:  # SPECSERVE_GEMV_RPP: measurements only (default 1)
+        rows_per_program = int(os.environ.get("SPECSERVE_GEMV_RPP", "1"))
     try:
-        _gemv_kernel[(triton.cdiv(n, bn), t)](
+        _gemv_kernel[(triton.cdiv(n, bn), triton.cdiv(t, rows_per_program))](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
+            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), ROWS=rows_per_program, num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
@@ -93,9 +96,9 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
         pid = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)  # the token row
+        t0 = tl.program_id(1).to(tl.int64) * ROWS  # the program's first token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
         ks = tl.arange(0, BLOCK_K)
@@ -104,8 +107,11 @@ if triton is not None:
                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         b = tl.load(BIAS + cols, mask=nm & HAS_BIAS, other=0.0).to(tl.float32)
         nw = tl.load(NW + ks, mask=km & (PROLOGUE == 1 or PROLOGUE == 2), other=0.0).to(tl.float32)
-        _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols, nm, ks,
-                  km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
+        for r in tl.static_range(ROWS):
+            t = t0 + r
+            if t < T:
+                _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols,
+                          nm, ks, km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
 
     @triton.jit
     def _gemv_row(row, res, res_out, add, out, w, b, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
