@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag] [rpp]
+#                                [host2] [programs]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -16,6 +17,8 @@
 # graphtests 120 (random tiny models); gemvkernels 200 (the few-row kernels' GPU checks);
 # humaneval writes humaneval-<head folder name>;
 # hfc 300; diag (random weights: host profile with device events, graph-replay kernel profiles) ~200;
+# host2 (random weights: host profiles one engine per process, waits spinning / blocking, cProfile) ~250;
+# programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100;
 # rpp (random weights, SPECSERVE_GEMV_RPP 1 then 5, with step replays) 2 x 100.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
@@ -78,6 +81,15 @@ for st in $stages; do
            for s in "--forced-acceptance ${FORCED:-2.58} --draft random" --no-spec; do
              timeout 90 python3 benchmarks/profile_step.py --model random:smollm2-135m $s --graphs --context 256 --top 45 \
              2>&1 | quiet | tail -48; done ;;
+    host2) for o in "off" "on" "on --sync spin" "on --sync block" "off --sync spin"; do echo "--- $o"
+             timeout 60 python3 benchmarks/profile_host.py --model random:smollm2-135m --draft random \
+             --forced-acceptance ${FORCED:-2.58} --num-prompts 8 --repeats 3 --events --only $o 2>&1 | quiet | tail -20; done
+           timeout 100 python3 benchmarks/profile_host.py --model random:smollm2-135m --draft random \
+             --forced-acceptance ${FORCED:-2.58} --num-prompts 4 --repeats 1 --cprofile 40 2>&1 | quiet | tail -130 ;;
+    programs) for p in 0 1024; do echo "--- SPECSERVE_GEMV_PROGRAMS=$p"
+             SPECSERVE_GEMV_PROGRAMS=$p timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+             --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
+             --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/programs-$p 2>&1 | quiet | tail -10; done ;;
     rpp) for r in 1 5; do echo "--- SPECSERVE_GEMV_RPP=$r"
              SPECSERVE_GEMV_RPP=$r timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \

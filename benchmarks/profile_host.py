@@ -162,6 +162,25 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0,
     return best
 
 
+def set_sync(mode: str) -> None:
+    """The CUDA runtime's wait for the device (spin, yield or block on a sync), set before its first use."""
+    import ctypes
+    import glob
+    import os
+
+    flags = {"auto": 0, "spin": 1, "yield": 2, "block": 4}[mode]
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib", "libcudart.so*"))
+    for name in libs + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        # the primary context's flags: the driver's, whichever copy of the runtime sets them
+        print(f"cudaSetDeviceFlags({mode}) through {name} -> {lib.cudaSetDeviceFlags(flags)}")
+        return
+    print("no CUDA runtime library found; --sync ignored")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -173,15 +192,22 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, help="print cProfile's N costliest functions")
     ap.add_argument("--forced-acceptance", type=float, default=None,
                     help="forced acceptance length (random heads; runs ignore end of sequence)")
+    ap.add_argument("--only", choices=["off", "on"], default=None, help="run one engine only (one per process)")
+    ap.add_argument("--sync", choices=["auto", "spin", "yield", "block"], default=None,
+                    help="how the host waits for the device (cudaSetDeviceFlags, before CUDA starts)")
     ap.add_argument("--events", action="store_true",
                     help="also time each replay on the device with CUDA events (adds ~2 records per step)")
     a = ap.parse_args()
+    if a.sync:
+        set_sync(a.sync)
     from specserve.heads import default_speculative_config
 
     draft = a.draft or default_speculative_config("eagle3", 4)["draft_model"]
     prompts = DEFAULT_PROMPTS[:a.num_prompts]
     out = {}
     for name, d in (("off", None), ("on", draft)):
+        if a.only and name != a.only:
+            continue
         out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile, a.forced_acceptance, a.events)
     keys = ["wall", "gpu", "gpu_median", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait", "results", "update",
             "detokenize", "outputs", "step_other", "generate_other"]

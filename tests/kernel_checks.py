@@ -18,6 +18,7 @@ from specserve.kernels.attention import paged_attention_flex, paged_attention_sd
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
+from specserve.kernels import gemv
 from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
@@ -272,6 +273,18 @@ def check_gemv(device, dtype):
                 assert torch.equal(grouped, all_rows), f"gemv rows_per_program={rpp} n={n} k={k} t={t}"
                 g_silu, _ = fused_linear(gu, w, bias, SILU_MUL, rows_per_program=rpp)
                 assert torch.equal(g_silu, fused_linear(gu, w, bias, SILU_MUL)[0]), f"gemv silu rpp={rpp}"
+            # a step with more programs than MAX_PROGRAMS: the prologue's kernel, then cuBLAS
+            limit, gemv.MAX_PROGRAMS = gemv.MAX_PROGRAMS, 8
+            try:
+                for what, args in (("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
+                                   ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
+                    out, r = fused_linear(*args)
+                    ref, rr = gemv.unfused_linear(*args)
+                    assert torch.equal(out, ref), f"gemv beyond MAX_PROGRAMS {what}"
+                    _close(out, linear_ref(*args)[0], dtype, f"gemv unfused {what} n={n} k={k} t={t}")
+                    assert (r is None) == (rr is None) and (r is None or torch.equal(r, rr))
+            finally:
+                gemv.MAX_PROGRAMS = limit
 
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,

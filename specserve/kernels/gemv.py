@@ -7,7 +7,8 @@ program here owns one token row and ``BLOCK_N`` output features: it loads those 
 of loads, no loop over K), computes the row's prologue — nothing, (residual add +) RMSNorm, or SiLU(gate) * up
 — and writes ``BLOCK_N`` outputs. The rows of a step run side by side (their weight reads after the first come
 from L2), and each row's arithmetic is the same whatever the number of rows, so a verify step of 1 + D
-tokens rounds every token as a decode step does. Prologue rounding follows the unfused kernels
+tokens rounds every token as a decode step does (up to ``MAX_PROGRAMS`` programs: a larger step runs the
+prologue's kernel and cuBLAS, and its rows round in cuBLAS's order). Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
 (A tile kernel taking all rows of a step in one program per feature block, with ``tl.dot``, was slower on the
 H200 both loading K whole and looping over it: docs/BENCHMARKS.md, eighth and ninth sessions.)
@@ -21,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import kernel_failed, kernel_usable, use_triton
-from specserve.kernels.activation import silu_and_mul_ref
-from specserve.kernels.norm import rms_norm_ref
+from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from specserve.kernels.norm import rms_norm, rms_norm_ref
 
 try:
     import triton
@@ -33,6 +34,11 @@ except ImportError:
 MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights better)
 MAX_K = 2048  # widest reduced dimension loaded in one piece
 TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
+# More programs than this (token rows x feature blocks) run as the prologue's kernel + cuBLAS instead: on the
+# H200 the gate/up projection of a 1 + 4-token verify step (1,920 programs) took 7.4-8.8 µs in every launch
+# tried, cuBLAS and the norm kernel 6.0 (docs/BENCHMARKS.md, tenth session); 1,024 keeps every other
+# projection of the default model's verify steps (at most 720 programs) on these kernels.
+MAX_PROGRAMS = int(os.environ.get("SPECSERVE_GEMV_PROGRAMS", "1024"))  # 0: no limit (measurements)
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
 
 
@@ -62,6 +68,21 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
     return (out if add is None else out + add), new_res
 
 
+def unfused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
+                   add=None):
+    """``linear_ref`` with the prologue as its own kernel, then cuBLAS (steps with too many programs for
+    ``fused_linear``); sums in cuBLAS's order, so such rows round unlike a one-row step's."""
+    new_res = None
+    if prologue == SILU_MUL:
+        x = silu_and_mul(x)
+    elif prologue == NORM:
+        x = rms_norm(x, norm_weight, eps)
+    elif prologue == ADD_NORM:
+        x, new_res = rms_norm(x, norm_weight, eps, residual)
+    out = F.linear(x, weight, bias)
+    return (out if add is None else out + add), new_res
+
+
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
                  add=None, block: int | None = None, num_warps: int = 4, rows_per_program: int | None = None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
@@ -78,6 +99,8 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     bn = block or block_n(n, k)
     if rows_per_program is None:  # SPECSERVE_GEMV_RPP: measurements only (default 1)
         rows_per_program = int(os.environ.get("SPECSERVE_GEMV_RPP", "1"))
+    if block is None and MAX_PROGRAMS and triton.cdiv(n, bn) * triton.cdiv(t, rows_per_program) > MAX_PROGRAMS:
+        return unfused_linear(x, weight, bias, prologue, residual, norm_weight, eps, add)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), triton.cdiv(t, rows_per_program))](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
