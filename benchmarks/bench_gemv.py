@@ -74,20 +74,17 @@ def per_call(ws, t: int) -> list[dict]:
         lin_in = inp if pro != SILU_MUL else silu_and_mul(gu)
         row = dict(op=name, tokens=t, n=n, k=k,
                    cublas_us=graph_us(lambda: [F.linear(lin_in, w[key]) for w in ws], LAYERS),
-                   default_block=block_n(n, k))
+                   default_block=block_n(n, k, t))
         if unfused is not None:
             row["cublas_plus_prologue_us"] = graph_us(lambda: [unfused(w) for w in ws], LAYERS)
         variants = {}
         d = row["default_block"]
-        launches = [(d, 2, 1), (d, 4, 1), (d, 8, 1), (max(1, d // 2), 4, 1), (2 * d, 4, 1), (2 * d, 8, 1)]
-        if t > 1:  # several rows per program: the weight tile loaded once for them
-            launches += [(bn, 4, r) for r in (2, 3, t) for bn in (max(1, d // 2), d)] + [(d, 8, t)]
-        for bn, warps, rpp in launches:
-            def fn(bn=bn, warps=warps, rpp=rpp):
+        for bn, warps in ((d, 2), (d, 4), (d, 8), (max(1, d // 2), 4), (2 * d, 4), (2 * d, 8)):
+            def fn(bn=bn, warps=warps):
                 return [fused_linear(inp, w[key], None, pro, res if pro == ADD_NORM else None,
-                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps,
-                                     rows_per_program=rpp) for w in ws]
-            variants[f"bn{bn}/w{warps}" + (f"/r{rpp}" if rpp > 1 else "")] = round(graph_us(fn, LAYERS), 2)
+                                     w[nw] if pro == ADD_NORM else None, EPS, block=bn, num_warps=warps)
+                        for w in ws]
+            variants[f"bn{bn}/w{warps}"] = round(graph_us(fn, LAYERS), 2)
         row["fused_us"] = variants
         row["fused_default_us"] = variants.get(f"bn{row['default_block']}/w4")
         best = min(variants, key=variants.get)

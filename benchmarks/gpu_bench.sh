@@ -4,7 +4,7 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
-#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag] [rpp]
+#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag]
 #                                [host2] [programs]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
@@ -18,8 +18,7 @@
 # humaneval writes humaneval-<head folder name>;
 # hfc 300; diag (random weights: host profile with device events, graph-replay kernel profiles) ~200;
 # host2 (random weights: host profiles one engine per process, waits spinning / blocking, cProfile) ~250;
-# programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100;
-# rpp (random weights, SPECSERVE_GEMV_RPP 1 then 5, with step replays) 2 x 100.
+# programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -90,10 +89,6 @@ for st in $stages; do
              SPECSERVE_GEMV_PROGRAMS=$p timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/programs-$p 2>&1 | quiet | tail -10; done ;;
-    rpp) for r in 1 5; do echo "--- SPECSERVE_GEMV_RPP=$r"
-             SPECSERVE_GEMV_RPP=$r timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
-             --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
-             --max-tokens 256 --num-prompts 8 --repeats 3 --steps 1 --out $OUT/rpp-$r 2>&1 | quiet | tail -9; done ;;
     graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -6 ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \

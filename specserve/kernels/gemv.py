@@ -7,8 +7,10 @@ program here owns one token row and ``BLOCK_N`` output features: it loads those 
 of loads, no loop over K), computes the row's prologue — nothing, (residual add +) RMSNorm, or SiLU(gate) * up
 — and writes ``BLOCK_N`` outputs. The rows of a step run side by side (their weight reads after the first come
 from L2), and each row's arithmetic is the same whatever the number of rows, so a verify step of 1 + D
-tokens rounds every token as a decode step does (up to ``MAX_PROGRAMS`` programs: a larger step runs the
-prologue's kernel and cuBLAS, and its rows round in cuBLAS's order). Prologue rounding follows the unfused kernels
+tokens would round every token as a decode step does; but the launch is chosen per row count (``block_n``),
+and a step of more than ``MAX_PROGRAMS`` programs runs the prologue's kernel and cuBLAS, so verify rows may
+round unlike decode rows, as they did with cuBLAS alone (bfloat16 outputs with and without speculation can
+part at near-ties; float32 on the CPU stays exact). Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
 (A tile kernel taking all rows of a step in one program per feature block, with ``tl.dot``, was slower on the
 H200 both loading K whole and looping over it: docs/BENCHMARKS.md, eighth and ninth sessions.)
@@ -49,9 +51,18 @@ def gemv_enabled(x: torch.Tensor, k: int) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def block_n(n: int, k: int) -> int:
-    """Output features per program for an [n, k] weight: a fixed tile, so the split depends on the shape only."""
-    return max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
+def block_n(n: int, k: int, t: int = 1) -> int:
+    """Output features per program for an [n, k] weight and ``t`` token rows. One row: a fixed tile. Several:
+    fitted to the H200 at 5 rows (docs/BENCHMARKS.md, eighth and tenth sessions): a wide K takes twice the
+    features per program (the down projection: 4.05 against 4.74 µs), and a projection with few programs
+    takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs)."""
+    bn = max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
+    if t > 1:
+        if k > 1024:
+            bn *= 2
+        elif bn > 1 and triton.cdiv(n, bn) * t < 512:
+            bn //= 2
+    return bn
 
 
 def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
@@ -84,11 +95,10 @@ def unfused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, no
 
 
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                 add=None, block: int | None = None, num_warps: int = 4, rows_per_program: int | None = None):
+                 add=None, block: int | None = None, num_warps: int = 4):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
-    ``block`` / ``num_warps`` / ``rows_per_program`` override the launch (benchmarks; a program computing
-    several rows reuses its weight tile for them, each row's arithmetic unchanged). ADD_NORM returns the new
-    residual stream (x + residual) as the second value."""
+    ``block`` / ``num_warps`` override the launch (benchmarks). ADD_NORM returns the new residual stream
+    (x + residual) as the second value."""
     n, k = weight.shape
     rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
     if not gemv_enabled(x, k) or weight.stride(1) != 1 or not rows_ok:
@@ -96,19 +106,17 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     t = x.shape[0]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
-    bn = block or block_n(n, k)
-    if rows_per_program is None:  # SPECSERVE_GEMV_RPP: measurements only (default 1)
-        rows_per_program = int(os.environ.get("SPECSERVE_GEMV_RPP", "1"))
-    if block is None and MAX_PROGRAMS and triton.cdiv(n, bn) * triton.cdiv(t, rows_per_program) > MAX_PROGRAMS:
+    bn = block or block_n(n, k, t)
+    if block is None and MAX_PROGRAMS and triton.cdiv(n, bn) * t > MAX_PROGRAMS:
         return unfused_linear(x, weight, bias, prologue, residual, norm_weight, eps, add)
     try:
-        _gemv_kernel[(triton.cdiv(n, bn), triton.cdiv(t, rows_per_program))](
+        _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), ROWS=rows_per_program, num_warps=num_warps)
+            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
@@ -119,9 +127,9 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        t0 = tl.program_id(1).to(tl.int64) * ROWS  # the program's first token row
+        t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
         ks = tl.arange(0, BLOCK_K)
@@ -130,11 +138,8 @@ if triton is not None:
                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         b = tl.load(BIAS + cols, mask=nm & HAS_BIAS, other=0.0).to(tl.float32)
         nw = tl.load(NW + ks, mask=km & (PROLOGUE == 1 or PROLOGUE == 2), other=0.0).to(tl.float32)
-        for r in tl.static_range(ROWS):
-            t = t0 + r
-            if t < T:
-                _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols,
-                          nm, ks, km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
+        _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols, nm, ks,
+                  km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
 
     @triton.jit
     def _gemv_row(row, res, res_out, add, out, w, b, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
