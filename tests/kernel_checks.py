@@ -261,6 +261,12 @@ def check_gemv(device, dtype):
                 assert (r is None) == (rr is None)
                 if rr is not None:
                     assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
+            # int8 rows with a scale each (a draft head's output layer): as the dequantized weights
+            q, sc = gemv.quantize_rows(w)
+            assert q.dtype == torch.int8 and (q.float() * sc[:, None] - w.float()).abs().max() <= sc.max() / 2 + 1e-6
+            deq = (q.float() * sc[:, None]).to(dtype)
+            out, _ = fused_linear(x, q, None, NORM, None, nw, 1e-5, scale=sc)
+            _close(out, linear_ref(x, deq, None, NORM, None, nw, 1e-5)[0], dtype, f"gemv int8 n={n} k={k} t={t}")
             if t < 3:
                 continue
             # with the same launch each token row rounds as it would alone

@@ -79,6 +79,13 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
     return (out if add is None else out + add), new_res
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scale [N]): symmetric, one scale per output feature (row)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
 def unfused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
                    add=None):
     """``linear_ref`` with the prologue as its own kernel, then cuBLAS (steps with too many programs for
@@ -95,19 +102,25 @@ def unfused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, no
 
 
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                 add=None, block: int | None = None, num_warps: int = 4):
+                 add=None, block: int | None = None, num_warps: int = 4, scale=None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
     ``block`` / ``num_warps`` override the launch (benchmarks). ADD_NORM returns the new residual stream
-    (x + residual) as the second value."""
+    (x + residual) as the second value. ``scale`` [N] float32: ``weight`` is int8, output feature j's
+    weights being ``weight[j] * scale[j]`` (``quantize_rows``; a draft head's output layer, read at half the
+    bytes of bfloat16)."""
     n, k = weight.shape
     rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
     if not gemv_enabled(x, k) or weight.stride(1) != 1 or not rows_ok:
+        if scale is not None:
+            weight = (weight.float() * scale[:, None]).to(x.dtype)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
     t = x.shape[0]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
     bn = block or block_n(n, k, t)
-    if block is None and MAX_PROGRAMS and triton.cdiv(n, bn) * t > MAX_PROGRAMS:
+    if block is None and MAX_PROGRAMS and t > 1 and triton.cdiv(n, bn) * t > MAX_PROGRAMS:
+        if scale is not None:
+            weight = (weight.float() * scale[:, None]).to(x.dtype)
         return unfused_linear(x, weight, bias, prologue, residual, norm_weight, eps, add)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
@@ -115,8 +128,9 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
-            weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None,
-            BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps)
+            scale if scale is not None else out, weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+            HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k),
+            num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
@@ -125,9 +139,9 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, s_w, K: tl.constexpr,
-                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, K: tl.constexpr,
+                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
@@ -137,13 +151,14 @@ if triton is not None:
         w = tl.load(W + cols[:, None].to(tl.int64) * s_w + ks[None, :], mask=nm[:, None] & km[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         b = tl.load(BIAS + cols, mask=nm & HAS_BIAS, other=0.0).to(tl.float32)
+        sc = tl.load(SCALE + cols, mask=nm & HAS_SCALE, other=1.0).to(tl.float32)
         nw = tl.load(NW + ks, mask=km & (PROLOGUE == 1 or PROLOGUE == 2), other=0.0).to(tl.float32)
-        _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, nw, cols, nm, ks,
-                  km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD)
+        _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, sc, nw, cols, nm,
+                  ks, km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD, HAS_SCALE)
 
     @triton.jit
-    def _gemv_row(row, res, res_out, add, out, w, b, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
-                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+    def _gemv_row(row, res, res_out, add, out, w, b, sc, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
+                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_SCALE: tl.constexpr):
         if PROLOGUE == 3:  # SiLU(gate) rounded to the input dtype, times up (in that dtype)
             g = tl.load(row + ks, mask=km, other=0.0).to(tl.float32)
             u = tl.load(row + K + ks, mask=km, other=0.0)
@@ -161,6 +176,8 @@ if triton is not None:
             else:
                 a = x.to(tl.float32)
         acc = tl.sum(w * a[None, :], axis=1)  # [BLOCK_N]
+        if HAS_SCALE:
+            acc *= sc
         if HAS_BIAS:
             acc += b
         if HAS_ADD:

@@ -21,12 +21,16 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
-def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=None) -> torch.Tensor:
     """x [N, H] -> norm(x) @ weight.T [N, V'] in x's dtype: a draft head's output layer, one kernel for one row
     on the GPU (the norm inside the projection) instead of a norm and a GEMM. Several rows keep cuBLAS: the
     few-row kernel reads the weights once per row, and an output layer (56.6 MB for the default model) does
-    not stay in L2 between rows."""
+    not stay in L2 between rows. ``int8``: a callable giving ``quantize_rows(weight)``, which the one-row
+    kernel then reads instead (half the bytes of bfloat16; drafts only, whose logits need only their argmax)."""
     if x.dim() == 2 and x.shape[0] == 1 and gemv_enabled(x, x.shape[-1]):
+        if int8 is not None:
+            q, scale = int8()
+            return fused_linear(x, q, None, NORM, norm_weight=norm.weight, eps=norm.eps, scale=scale)[0]
         return fused_linear(x, weight, None, NORM, norm_weight=norm.weight, eps=norm.eps)[0]
     return nn.functional.linear(norm(x), weight)
 

@@ -426,5 +426,6 @@ class ModelRunner:
         hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views)
         if inp.sampling is None:
             return None
-        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
-        return sample(logits, inp.sampling)
+        # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
+        logits_fn = self.model.lm_logits if inp.sampling.all_greedy else self.model.compute_logits
+        return sample(logits_fn(hidden[inp.logits_indices]), inp.sampling)  # logits [S, V]

@@ -75,7 +75,7 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits [S, V] float32 -> token ids [S] int64."""
+    """logits [S, V] float32 (any float dtype when ``t.all_greedy``) -> token ids [S] int64."""
     greedy = argmax_lastdim(logits)
     if t.all_greedy:
         return greedy

@@ -75,7 +75,8 @@ def accept(
     a: AcceptInputs,
     forced: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, D+1, V] float32 at the verified positions; drafts [B, D]; num_drafts [B].
+    """logits [B, D+1, V] float32 at the verified positions (any float dtype when ``a.simple_greedy``: only their
+    argmax is read); drafts [B, D]; num_drafts [B].
 
     Returns (accepted [B] int64, emitted [B, D+1] int64); row r emits ``emitted[r, :accepted[r] + 1]``.
     ``forced`` accepts min(forced, num_drafts) drafts whatever they are (breaks losslessness); a fractional

@@ -10,6 +10,7 @@ and the embedding of the token at ``i + 1``; its output predicts the token at ``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.kernels.argmax import argmax_lastdim
+from specserve.kernels.gemv import quantize_rows
 from specserve.kernels.norm import embed_norm_cat
 from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear, normed_logits
@@ -93,6 +95,24 @@ class DraftHead(nn.Module):
         """Target id of each entry of the head's vocabulary; None when it is the target's vocabulary."""
         return None
 
+    def int8_output(self, weight: torch.Tensor):
+        """A callable giving ``weight`` [V', H] quantized to int8 rows (made once per weight tensor and version,
+        on the first one-row draft step: outside any capture, like ``lm_weight``'s rows), or None with
+        SPECSERVE_DRAFT_INT8=0. Only the argmax of a draft's logits matters, and it reads half the bytes."""
+        if os.environ.get("SPECSERVE_DRAFT_INT8", "1") == "0":
+            return None
+
+        def get():
+            key = _tensor_key(weight)
+            cache = self.__dict__.setdefault("_int8", {})  # per weight: vanilla MTP has one per module
+            if key not in cache:
+                if len(cache) >= 8:  # stale versions
+                    cache.clear()
+                with torch.inference_mode(False), torch.no_grad():
+                    cache[key] = quantize_rows(weight)
+            return cache[key]
+        return get
+
     def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
         return argmax_lastdim(self.raw_logits(step, out))
@@ -109,7 +129,7 @@ class DraftHead(nn.Module):
     def chain_layout(self, x: DraftInputs) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
         """Positions, cache slots and attention layout of chain steps 1..D-1 (the worker computes the positions
         and slots of all steps at once, ``kernels.draft_inputs``): step k writes at last_pos + k."""
-        rows = torch.arange(x.last_pos.shape[0], device=x.last_pos.device)
+        rows = _arange(x.last_pos.shape[0], x.last_pos.device)
         pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
         return [(pos_t[k], slot_t[k], AttentionMetadata(
             slot_mapping=slot_t[k], block_tables=x.block_tables, query_index=rows[:, None], query_pos=pos_t[k, :, None],
@@ -183,7 +203,8 @@ class Eagle3Head(DraftHead):
         return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv)
 
     def raw_logits(self, step, out):
-        return normed_logits(self.norm, out, self.lm_weight())
+        w = self.lm_weight()
+        return normed_logits(self.norm, out, w, self.int8_output(w))
 
     def lm_weight(self) -> torch.Tensor:
         """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (gathered once
@@ -269,7 +290,8 @@ class MTPHead(DraftHead):
     def raw_logits(self, step, out):
         mod = self.module(step)
         head = mod.shared_head_head
-        return normed_logits(mod.shared_head_norm, out, self.target.lm_weight() if head is None else head.weight)
+        w = self.target.lm_weight() if head is None else head.weight
+        return normed_logits(mod.shared_head_norm, out, w, self.int8_output(w))
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         if self.eagle:
@@ -294,6 +316,18 @@ class MTPHead(DraftHead):
             ext[rows, col] = torch.where(x.draft_ok, tok, ext[rows, col])
             h = out
         return torch.stack(drafts, dim=1)
+
+
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """torch.arange(n) on ``device``, made once (a graph step then reads it instead of running a kernel)."""
+    key = (n, str(device))
+    if key not in _ARANGE:
+        with torch.inference_mode(False):
+            _ARANGE[key] = torch.arange(n, device=device)
+    return _ARANGE[key]
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:

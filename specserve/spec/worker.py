@@ -221,7 +221,9 @@ class SpecDecodeRunner(ModelRunner):
         hidden, aux = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views,
                                  aux_layers=self.head.aux_layers)
         # verify + accept
-        logits = self.model.compute_logits(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
+        # greedy rows need the argmax only: logits in the weights' dtype (no float32 copy)
+        logits_fn = self.model.lm_logits if acc_in.simple_greedy else self.model.compute_logits
+        logits = logits_fn(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
         sample_row = acc_in.can_accept
         accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced)
         # draft: the draft table with the bonus token, the last accepted token, the chain's slots (one kernel)
