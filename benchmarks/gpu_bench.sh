@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag]
-#                                [host2] [programs] [int8] [lmhead]
+#                                [host2] [programs] [int8] [lmhead] [tune]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -20,10 +20,13 @@
 # host2 (random weights: host profiles one engine per process, waits spinning / blocking, cProfile) ~250;
 # programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100;
 # int8 (random weights, SPECSERVE_DRAFT_INT8 0 then 1, with step replays) 2 x 100;
-# lmhead (a draft step's output layer, bf16 / int8 launch sweep, and the speculative step's graph profile) ~150.
+# tune (~250: the int8 output layer's launch sweep and K split or whole, chosen for later stages and calls on
+# the machine through /root/choice.env); lmhead (a draft step's output layer, bf16 / int8 launch sweep, and the speculative step's graph profile) ~150.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
+# launch settings chosen by an earlier `tune` stage on this machine (benchmarks/gpu_tune.py), if any
+[ -f /root/choice.env ] && { echo "settings from tune: $(grep -v '^#' /root/choice.env | tr '\n' ' ')"; source /root/choice.env; }
 M=/root/model.gguf
 HEAD=${HEAD:-specserve/heads/smollm2-135m-eagle3}  # HEAD=DIR: a head not yet in the package
 stages=${*:-tests default throughput scale}
@@ -98,6 +101,13 @@ for st in $stages; do
     lmhead) timeout 120 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -6
            timeout 90 python3 benchmarks/profile_step.py --model random:smollm2-135m --draft random --forced-acceptance \
              ${FORCED:-2.58} --graphs --context 256 --top 45 2>&1 | quiet | tail -48 ;;
+    tune) timeout 100 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -5
+          for k in 0 1; do echo "--- SPECSERVE_GEMV_SPLITK=$k"
+             SPECSERVE_GEMV_SPLITK=$k timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+             --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
+             --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/splitk-$k 2>&1 | quiet | tail -10; done
+          python3 benchmarks/gpu_tune.py $OUT/lm_head.json $OUT/splitk-0/bench.json $OUT/splitk-1/bench.json \
+            | tee /root/choice.env ;;
     graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -6 ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \

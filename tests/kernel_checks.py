@@ -233,8 +233,22 @@ def check_draft_inputs(device, dtype):
                 assert torch.equal(got[k], ref[k]), f"draft inputs {k} b={b} q={q} d={d} packed={packed}"
 
 
-@kernel_check
 def check_gemv(device, dtype):
+    # K loaded in one block, then split in two (576 = 512 + 64)
+    for split in ("0", "1"):
+        old = os.environ.get("SPECSERVE_GEMV_SPLITK")
+        os.environ["SPECSERVE_GEMV_SPLITK"] = split
+        try:
+            _check_gemv(device, dtype)
+        finally:
+            if old is None:
+                del os.environ["SPECSERVE_GEMV_SPLITK"]
+            else:
+                os.environ["SPECSERVE_GEMV_SPLITK"] = old
+
+
+@kernel_check
+def _check_gemv(device, dtype):
     g = torch.Generator().manual_seed(9)
     # a partial block of output features (100 = 12 x 8 + 4), a width that is not a power of two, the widest K
     # and the most rows the kernels take

@@ -79,6 +79,18 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
     return (out if add is None else out + add), new_res
 
 
+def k_blocks(k: int) -> tuple[int, int]:
+    """The reduced width as loaded: (K1, 0), one block of the next power of two (the default), or with
+    SPECSERVE_GEMV_SPLITK=1, (K1, K2): the largest power of two below K and the power of two covering the rest
+    (576 = 512 + 64 instead of 1,024 columns, of which 448 masked off)."""
+    full = triton.next_power_of_2(k)
+    if os.environ.get("SPECSERVE_GEMV_SPLITK", "0") == "0" or full == k:
+        return full, 0
+    k1 = full // 2
+    k2 = triton.next_power_of_2(k - k1)
+    return (k1, k2) if k1 + k2 < full else (full, 0)
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (int8 [N, K], float32 scale [N]): symmetric, one scale per output feature (row)."""
     w = weight.float()
@@ -122,6 +134,7 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
         if scale is not None:
             weight = (weight.float() * scale[:, None]).to(x.dtype)
         return unfused_linear(x, weight, bias, prologue, residual, norm_weight, eps, add)
+    k1, k2 = k_blocks(k)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
@@ -129,8 +142,7 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             scale if scale is not None else out, weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-            HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k),
-            num_warps=num_warps)
+            HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, K1=k1, K2=k2, num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
         return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
@@ -141,45 +153,69 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, K: tl.constexpr,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
+        """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two."""
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        km = ks < K
-        w = tl.load(W + cols[:, None].to(tl.int64) * s_w + ks[None, :], mask=nm[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        b = tl.load(BIAS + cols, mask=nm & HAS_BIAS, other=0.0).to(tl.float32)
-        sc = tl.load(SCALE + cols, mask=nm & HAS_SCALE, other=1.0).to(tl.float32)
-        nw = tl.load(NW + ks, mask=km & (PROLOGUE == 1 or PROLOGUE == 2), other=0.0).to(tl.float32)
-        _gemv_row(X + t * s_x, RES + t * s_r, RES_OUT + t * K, ADD + t * s_a, OUT + t * N, w, b, sc, nw, cols, nm,
-                  ks, km, pid, eps, K, PROLOGUE, HAS_BIAS, HAS_ADD, HAS_SCALE)
+        row, res, res_out = X + t * s_x, RES + t * s_r, RES_OUT + t * K
+        ks1 = tl.arange(0, K1)
+        km1 = ks1 < K
+        x1 = _gemv_input(row, res, res_out, ks1, km1, pid, K, PROLOGUE)  # [K1]
+        if K2 > 0:
+            ks2 = K1 + tl.arange(0, K2)
+            km2 = ks2 < K
+            x2 = _gemv_input(row, res, res_out, ks2, km2, pid, K, PROLOGUE)  # [K2]
+        if PROLOGUE == 1 or PROLOGUE == 2:  # RMSNorm over the whole row
+            ss = tl.sum(x1.to(tl.float32) * x1.to(tl.float32), axis=0)
+            if K2 > 0:
+                ss += tl.sum(x2.to(tl.float32) * x2.to(tl.float32), axis=0)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            a1 = _gemv_normed(x1, NW, ks1, km1, rstd)
+            if K2 > 0:
+                a2 = _gemv_normed(x2, NW, ks2, km2, rstd)
+        else:
+            a1 = x1.to(tl.float32)
+            if K2 > 0:
+                a2 = x2.to(tl.float32)
+        w_rows = W + cols[:, None].to(tl.int64) * s_w
+        w1 = tl.load(w_rows + ks1[None, :], mask=nm[:, None] & km1[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(w1 * a1[None, :], axis=1)  # [BLOCK_N]
+        if K2 > 0:
+            w2 = tl.load(w_rows + ks2[None, :], mask=nm[:, None] & km2[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w2 * a2[None, :], axis=1)
+        if HAS_SCALE:
+            acc *= tl.load(SCALE + cols, mask=nm, other=1.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(ADD + t * s_a + cols, mask=nm, other=0.0).to(tl.float32)
+        tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=nm)
 
     @triton.jit
-    def _gemv_row(row, res, res_out, add, out, w, b, sc, nw, cols, nm, ks, km, pid, eps, K: tl.constexpr,
-                  PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_SCALE: tl.constexpr):
-        if PROLOGUE == 3:  # SiLU(gate) rounded to the input dtype, times up (in that dtype)
-            g = tl.load(row + ks, mask=km, other=0.0).to(tl.float32)
-            u = tl.load(row + K + ks, mask=km, other=0.0)
-            a = ((g / (1.0 + tl.exp(-g))).to(u.dtype) * u).to(tl.float32)
+    def _gemv_input(row, res, res_out, ks, km, pid, K: tl.constexpr, PROLOGUE: tl.constexpr):
+        """Columns ``ks`` of a row's input: SiLU(gate) * up in float32 (rounded as ``silu_and_mul_ref``), or
+        x (+ residual, stored once per row by the first program) in the input dtype."""
+        if PROLOGUE == 3:
+            x = _silu_mul_input(row, ks, km, K)
         else:
             x = tl.load(row + ks, mask=km, other=0.0)
             if PROLOGUE == 2:
                 x = x + tl.load(res + ks, mask=km, other=0.0)  # rounded to the stream's dtype
                 if pid == 0:
                     tl.store(res_out + ks, x, mask=km)
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                x32 = x.to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / K + eps)
-                a = (nw * (x32 * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
-            else:
-                a = x.to(tl.float32)
-        acc = tl.sum(w * a[None, :], axis=1)  # [BLOCK_N]
-        if HAS_SCALE:
-            acc *= sc
-        if HAS_BIAS:
-            acc += b
-        if HAS_ADD:
-            acc += tl.load(add + cols, mask=nm, other=0.0).to(tl.float32)
-        tl.store(out + cols, acc.to(out.dtype.element_ty), mask=nm)
+        return x
+
+    @triton.jit
+    def _silu_mul_input(row, ks, km, K: tl.constexpr):
+        """SiLU(gate) rounded to the input dtype, times up (in that dtype), in float32."""
+        g = tl.load(row + ks, mask=km, other=0.0).to(tl.float32)
+        u = tl.load(row + K + ks, mask=km, other=0.0)
+        return ((g / (1.0 + tl.exp(-g))).to(u.dtype) * u).to(tl.float32)
+
+    @triton.jit
+    def _gemv_normed(x, NW, ks, km, rstd):
+        """norm weight * (x * rstd), rounded as ``rms_norm_ref`` (to x's dtype twice), in float32."""
+        nw = tl.load(NW + ks, mask=km, other=0.0).to(tl.float32)
+        return (nw * (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
