@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from specserve.bench.steps import graph_us
 from specserve.kernels.gemv import NORM, block_n, fused_linear, quantize_rows
 from specserve.kernels.norm import rms_norm
+from specserve.models.layers import _LM_LAUNCH
 
 V, H, CALLS, EPS = 49152, 576, 4, 1e-5
 
@@ -31,7 +32,10 @@ def main() -> None:
     nw = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(torch.bfloat16)
     x = torch.randn(1, H, device="cuda", generator=g).to(torch.bfloat16)
     q, scale = quantize_rows(w)
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, default_block=block_n(V, H, 1))
+    # the engine's launches: bfloat16 output layers take block_n's, int8 ones _LM_LAUNCH
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               default={"bf16": f"bn{block_n(V, H, 1)}/w4",
+                        "int8": f"bn{_LM_LAUNCH['block']}/w{_LM_LAUNCH['num_warps']}"})
     res["cublas_plus_norm_us"] = graph_us(lambda: [F.linear(rms_norm(x, nw, EPS), w) for _ in range(CALLS)], CALLS)
     print(f"norm kernel + cuBLAS: {res['cublas_plus_norm_us']:.2f} µs per call", flush=True)
     for name, weight, sc in (("bf16", w, None), ("int8", q, scale)):
@@ -44,7 +48,7 @@ def main() -> None:
                 sweep[f"bn{bn}/w{warps}"] = round(graph_us(fn, CALLS), 2)
         best = min(sweep, key=sweep.get)
         res[name] = dict(sweep=sweep, best=best)
-        d = f"bn{res['default_block']}/w4"
+        d = res["default"][name]
         print(f"{name}: default {d} {sweep.get(d)} µs, best {best} {sweep[best]} µs; all: {sweep}", flush=True)
     if a.json:
         with open(a.json, "w") as f:

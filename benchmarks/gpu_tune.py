@@ -2,9 +2,10 @@
 (``gpu_bench.sh tune`` writes the exports to a file that later stages source). Two choices:
 
 * the one-row output layer's launch for int8 drafts (``bench_lm_head.py``): the sweep's best, if at least 3%
-  faster than the default launch;
-* K split in two loads (``SPECSERVE_GEMV_SPLITK``): on if the whole speculative step's replay is at least 1%
-  shorter with it (random SmolLM2-shaped weights, ``specserve bench --steps 1``, one process each).
+  faster than the engine's launch;
+* K split in two loads or whole (``SPECSERVE_GEMV_SPLITK``): split if the whole speculative step's replay is
+  at least 1% shorter with it (random SmolLM2-shaped weights, ``specserve bench --steps 1``, one process
+  each), else whole. (The tenth session chose 32 features / 4 warps and the split; both are now defaults.)
 
     python benchmarks/gpu_tune.py LM_HEAD_JSON STEPS_SPLIT0_JSON STEPS_SPLIT1_JSON > choice.env
 """
@@ -17,7 +18,7 @@ def main() -> None:
     lm, s0, s1 = (json.load(open(p)) for p in sys.argv[1:4])
     out = []
     sweep = lm["int8"]["sweep"]
-    default = sweep.get(f"bn{lm['default_block']}/w4")
+    default = sweep.get(lm["default"]["int8"])
     best = lm["int8"]["best"]
     if default and sweep[best] <= 0.97 * default:
         bn, w = best[2:].split("/w")
@@ -26,8 +27,7 @@ def main() -> None:
     print(f"# int8 output layer: default {default} µs, best {best} {sweep[best]} µs; speculative step "
           f"{a['spec_step_ms']:.3f} ms (K whole) / {b['spec_step_ms']:.3f} ms (K split); decode "
           f"{a['decode_ms']:.3f} / {b['decode_ms']:.3f} ms")
-    if b["spec_step_ms"] <= 0.99 * a["spec_step_ms"]:
-        out.append("export SPECSERVE_GEMV_SPLITK=1")
+    out.append(f"export SPECSERVE_GEMV_SPLITK={int(b['spec_step_ms'] <= 0.99 * a['spec_step_ms'])}")
     print("\n".join(out))
 
 

@@ -209,8 +209,8 @@ def main() -> None:
         if a.only and name != a.only:
             continue
         out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile, a.forced_acceptance, a.events)
-    keys = ["wall", "gpu", "gpu_median", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait", "results", "update",
-            "detokenize", "outputs", "step_other", "generate_other"]
+    keys = ["wall", "gpu", "gpu_median", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait",
+            "results", "update", "detokenize", "outputs", "step_other", "generate_other"]
     print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))
     for k in keys:
         print(f"{k:<16}" + "".join(f"{r['us_per_step'].get(k, 0):>10.1f}" for r in out.values()))

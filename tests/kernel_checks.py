@@ -279,8 +279,10 @@ def _check_gemv(device, dtype):
             q, sc = gemv.quantize_rows(w)
             assert q.dtype == torch.int8 and (q.float() * sc[:, None] - w.float()).abs().max() <= sc.max() / 2 + 1e-6
             deq = (q.float() * sc[:, None]).to(dtype)
-            out, _ = fused_linear(x, q, None, NORM, None, nw, 1e-5, scale=sc)
-            _close(out, linear_ref(x, deq, None, NORM, None, nw, 1e-5)[0], dtype, f"gemv int8 n={n} k={k} t={t}")
+            for launch in ({}, {"block": 32, "num_warps": 4}):  # the default, and the output layer's (layers.py)
+                out, _ = fused_linear(x, q, None, NORM, None, nw, 1e-5, scale=sc, **launch)
+                _close(out, linear_ref(x, deq, None, NORM, None, nw, 1e-5)[0], dtype,
+                       f"gemv int8 n={n} k={k} t={t} {launch}")
             if t < 3:
                 continue
             # with the same launch each token row rounds as it would alone

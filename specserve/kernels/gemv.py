@@ -80,11 +80,12 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
 
 
 def k_blocks(k: int) -> tuple[int, int]:
-    """The reduced width as loaded: (K1, 0), one block of the next power of two (the default), or with
-    SPECSERVE_GEMV_SPLITK=1, (K1, K2): the largest power of two below K and the power of two covering the rest
-    (576 = 512 + 64 instead of 1,024 columns, of which 448 masked off)."""
+    """The reduced width as loaded: (K1, K2), the largest power of two below K and the power of two covering
+    the rest (576 = 512 + 64 instead of 1,024 columns of which 448 masked off: fewer registers and lanes), where
+    that is narrower than one block of the next power of two; else (that block, 0). SPECSERVE_GEMV_SPLITK=0
+    always loads one block (measurements: docs/BENCHMARKS.md, tenth session)."""
     full = triton.next_power_of_2(k)
-    if os.environ.get("SPECSERVE_GEMV_SPLITK", "0") == "0" or full == k:
+    if os.environ.get("SPECSERVE_GEMV_SPLITK", "1") == "0" or full == k:
         return full, 0
     k1 = full // 2
     k2 = triton.next_power_of_2(k - k1)

@@ -22,9 +22,10 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
-# SPECSERVE_GEMV_LM_LAUNCH="BLOCK_N,WARPS": the one-row output layer's launch (measurements)
-_LM_LAUNCH = dict(zip(("block", "num_warps"), map(int, os.environ["SPECSERVE_GEMV_LM_LAUNCH"].split(",")))) \
-    if os.environ.get("SPECSERVE_GEMV_LM_LAUNCH") else {}
+# The one-row int8 output layer's launch: 32 features per program, 4 warps (the H200 sweep of
+# benchmarks/bench_lm_head.py, tenth session); SPECSERVE_GEMV_LM_LAUNCH="BLOCK_N,WARPS" sets another
+_LM_LAUNCH = dict(zip(("block", "num_warps"),
+                      map(int, os.environ.get("SPECSERVE_GEMV_LM_LAUNCH", "32,4").split(","))))
 
 
 def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=None) -> torch.Tensor:
@@ -34,11 +35,11 @@ def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=N
     not stay in L2 between rows. ``int8``: a callable giving ``quantize_rows(weight)``, which the one-row
     kernel then reads instead (half the bytes of bfloat16; drafts only, whose logits need only their argmax)."""
     if x.dim() == 2 and x.shape[0] == 1 and gemv_enabled(x, x.shape[-1]):
-        launch = _LM_LAUNCH  # (features per program, warps) or the default
         if int8 is not None:
             q, scale = int8()
-            return fused_linear(x, q, None, NORM, norm_weight=norm.weight, eps=norm.eps, scale=scale, **launch)[0]
-        return fused_linear(x, weight, None, NORM, norm_weight=norm.weight, eps=norm.eps, **launch)[0]
+            return fused_linear(x, q, None, NORM, norm_weight=norm.weight, eps=norm.eps, scale=scale,
+                                **_LM_LAUNCH)[0]
+        return fused_linear(x, weight, None, NORM, norm_weight=norm.weight, eps=norm.eps)[0]
     return nn.functional.linear(norm(x), weight)
 
 
