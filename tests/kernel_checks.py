@@ -296,7 +296,7 @@ def _check_gemv(device, dtype):
                 for what, args in (("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
                                    ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
                     out, r = fused_linear(*args)
-                    ref, rr = gemv.unfused_linear(*args)
+                    ref, rr = gemv.linear_ref(*args, kernels=True)
                     assert torch.equal(out, ref), f"gemv beyond MAX_PROGRAMS {what}"
                     _close(out, linear_ref(*args)[0], dtype, f"gemv unfused {what} n={n} k={k} t={t}")
                     assert (r is None) == (rr is None) and (r is None or torch.equal(r, rr))

@@ -66,15 +66,19 @@ def block_n(n: int, k: int, t: int = 1) -> int:
 
 
 def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-               add=None):
-    """x [T, K] (SILU_MUL: [T, 2K]) -> (prologue(x) @ W.T + b (+ add) [T, N], new residual or None)."""
+               add=None, kernels: bool = False):
+    """x [T, K] (SILU_MUL: [T, 2K]) -> (prologue(x) @ W.T + b (+ add) [T, N], new residual or None). ``kernels``:
+    the prologue through its own kernel (``rms_norm``, ``silu_and_mul``: Triton on the GPU) instead of PyTorch
+    ops, then cuBLAS, for steps with too many programs for ``fused_linear``; such rows sum in cuBLAS's order,
+    so they round unlike a one-row step's."""
+    norm, silu = (rms_norm, silu_and_mul) if kernels else (rms_norm_ref, silu_and_mul_ref)
     new_res = None
     if prologue == SILU_MUL:
-        x = silu_and_mul_ref(x)
+        x = silu(x)
     elif prologue == NORM:
-        x = rms_norm_ref(x, norm_weight, eps)
+        x = norm(x, norm_weight, eps)
     elif prologue == ADD_NORM:
-        x, new_res = rms_norm_ref(x, norm_weight, eps, residual)
+        x, new_res = norm(x, norm_weight, eps, residual)
     out = F.linear(x, weight, bias)
     return (out if add is None else out + add), new_res
 
@@ -99,19 +103,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-def unfused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
-                   add=None):
-    """``linear_ref`` with the prologue as its own kernel, then cuBLAS (steps with too many programs for
-    ``fused_linear``); sums in cuBLAS's order, so such rows round unlike a one-row step's."""
-    new_res = None
-    if prologue == SILU_MUL:
-        x = silu_and_mul(x)
-    elif prologue == NORM:
-        x = rms_norm(x, norm_weight, eps)
-    elif prologue == ADD_NORM:
-        x, new_res = rms_norm(x, norm_weight, eps, residual)
-    out = F.linear(x, weight, bias)
-    return (out if add is None else out + add), new_res
+def _dequantized(weight, scale, dtype):
+    """An int8 weight with its row scales as ``dtype`` (the reference paths); any other weight as it is."""
+    return weight if scale is None else (weight.float() * scale[:, None]).to(dtype)
 
 
 def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
@@ -124,17 +118,14 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     n, k = weight.shape
     rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
     if not gemv_enabled(x, k) or weight.stride(1) != 1 or not rows_ok:
-        if scale is not None:
-            weight = (weight.float() * scale[:, None]).to(x.dtype)
-        return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
+        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add)
     t = x.shape[0]
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
     bn = block or block_n(n, k, t)
     if block is None and MAX_PROGRAMS and t > 1 and triton.cdiv(n, bn) * t > MAX_PROGRAMS:
-        if scale is not None:
-            weight = (weight.float() * scale[:, None]).to(x.dtype)
-        return unfused_linear(x, weight, bias, prologue, residual, norm_weight, eps, add)
+        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add,
+                          kernels=True)
     k1, k2 = k_blocks(k)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
