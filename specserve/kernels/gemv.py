@@ -137,7 +137,7 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
             HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, K1=k1, K2=k2, num_warps=num_warps)
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("gemv", e)
-        return linear_ref(x, weight, bias, prologue, residual, norm_weight, eps, add)
+        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add)
     return out, res_out
 
 
