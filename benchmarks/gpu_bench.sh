@@ -15,7 +15,7 @@
 # spec16 180; hf4 200; profile 150; kernels 300; sweep 240; host 150; cprofile 150; humaneval 150 (needs
 # .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights); upload 2 x 150; uploadr (random weights) 2 x 100;
 # graphtests 120 (random tiny models); gemvkernels 200 (the few-row kernels' GPU checks);
-# humaneval writes humaneval-<head folder name>;
+# humaneval writes humaneval-<head folder name> (ROUNDS=N: the engines alternately N times, 40 + 100 N s);
 # hfc 300; diag (random weights: host profile with device events, graph-replay kernel profiles) ~200;
 # host2 (random weights: host profiles one engine per process, waits spinning / blocking, cProfile) ~250;
 # programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100;
@@ -54,8 +54,9 @@ for st in $stages; do
              timeout 110 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
     spec16) timeout 180 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
-    humaneval) timeout 150 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
-             --prompts .traindata/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 16 --repeats 3 \
+    humaneval) timeout $((40 + 100 * ${ROUNDS:-1})) python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
+             --batch-size 1 --prompts .traindata/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 16 --repeats 3 \
+             --rounds ${ROUNDS:-1} \
              --out $OUT/humaneval-$(basename $HEAD) 2>&1 | quiet | tail -12 ;;
     hfc) timeout 300 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf-compile --out $OUT/hfc 2>&1 | quiet | tail -16 ;;

@@ -245,6 +245,10 @@ def _bench_parser(sub) -> None:
     b.add_argument("--dtype", default="auto")
     b.add_argument("--device", default=None)
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--rounds", type=int, default=1,
+                   help="run the specserve engines alternately this many times (without, then with speculation), "
+                        "each built, warmed up and timed --repeats times afresh; rows report the median round, ratios "
+                        "also the median of the per-round ratios (a machine's speed drifts between runs)")
     b.add_argument("--compare", nargs="*", default=[], choices=["hf", "hf-compile"],
                    help="also run transformers generate (eager / static cache + torch.compile) in this process")
     b.add_argument("--enforce-eager", action="store_true")
@@ -265,8 +269,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           num_prompts=a.num_prompts, batch_sizes=a.batch_size, max_tokens=a.max_tokens,
                           ignore_eos=a.ignore_eos, speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
-                          compare=a.compare, enforce_eager=a.enforce_eager, kv_cache_memory_bytes=a.kv_cache_memory,
-                          out=None)
+                          rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
+                          kv_cache_memory_bytes=a.kv_cache_memory, out=None)
         if a.steps:
             from specserve.bench.run import check_steps
             from specserve.config import resolve_device

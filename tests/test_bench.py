@@ -54,6 +54,22 @@ def test_bench_rows_ratios_and_outputs(dirs, tmp_path):
     assert rows[("specserve", False, 3)]["new_tokens"] == rows[("transformers", False, 3)]["new_tokens"]
 
 
+def test_bench_rounds_alternate_the_engines_and_report_the_median_round(dirs):
+    res = run_bench(BenchConfig(model=str(dirs / "target"), draft=str(dirs / "eagle3"), draft_len=2, num_prompts=2,
+                                max_tokens=4, repeats=1, rounds=3, device="cpu", dtype="float32"))
+    rows = {r["speculative"]: r for r in res["rows"]}
+    assert len(res["rows"]) == 2 and set(rows) == {False, True}
+    for r in rows.values():
+        each = r["round_tokens_per_s"]
+        assert len(each) == 3 and r["tokens_per_s"] == sorted(each)[1]  # the median round
+    per_round = sorted(s / p for s, p in zip(rows[True]["round_tokens_per_s"], rows[False]["round_tokens_per_s"]))
+    assert res["ratios"]["specserve+spec / specserve @ batch 1, median of 3 rounds"] == per_round[1]
+    medians = rows[True]["tokens_per_s"] / rows[False]["tokens_per_s"]
+    assert res["ratios"]["specserve+spec / specserve @ batch 1"] == medians
+    with pytest.raises(ValueError, match="--rounds"):
+        BenchConfig(rounds=0)
+
+
 def test_generated_count_stops_each_row_at_its_first_end_of_sequence():
     import torch
 

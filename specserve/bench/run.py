@@ -6,7 +6,10 @@ tokens/s counts the tokens generated) for max(batch, prompts) requests submitted
 ``max_num_seqs = batch``): batch 1 runs every prompt one after another, so acceptance figures cover the whole
 prompt set whatever the batch size. transformers runs the same requests in static batches of ``batch``. Each configuration is
 warmed up once per batch size (CUDA-graph capture, Triton compilation, allocator growth), then timed
-``repeats`` times with the device synchronised; the reported run is the one with the median wall time.
+``repeats`` times with the device synchronised; the reported run is the one with the median wall time. With
+``rounds`` > 1 the specserve engines run alternately that many times (each built, warmed up and timed afresh),
+and each row reports the round with the median tokens/s; the ratios add the median of the per-round ratios,
+since the machine's speed drifts between one engine's runs and the other's.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class BenchConfig:
     dtype: str = "auto"
     device: str | None = None
     repeats: int = 3
+    rounds: int = 1  # specserve engines run alternately this many times (no speculation, speculation, ...)
     compare: list[str] = field(default_factory=list)  # hf, hf-compile
     enforce_eager: bool = False
     kv_cache_memory_bytes: int | None = None
@@ -56,8 +60,8 @@ class BenchConfig:
             raise ValueError(f"--compare takes hf and/or hf-compile, got {bad}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError("--batch-size values must be >= 1")
-        if self.max_tokens < 2 or self.repeats < 1:
-            raise ValueError("--max-tokens must be >= 2 and --repeats >= 1")
+        if self.max_tokens < 2 or self.repeats < 1 or self.rounds < 1:
+            raise ValueError("--max-tokens must be >= 2, --repeats and --rounds >= 1")
         if not self.prompts and self.random_input_len is None and self.model is not None and \
                 str(self.model).startswith("random:"):
             self.random_input_len = 128
@@ -117,7 +121,22 @@ def weight_bytes(module: torch.nn.Module, exclude: set[int] = frozenset()) -> in
     return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in exclude)
 
 
-def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -> list[dict]:
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """Rows of several rounds -> per (speculative, batch) the round with the median tokens/s, with every round's
+    tokens/s in ``round_tokens_per_s`` (in round order). One round: the rows as they are."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["speculative"], r["batch"]), []).append(r)
+    out = []
+    for group in groups.values():
+        med = dict(sorted(group, key=lambda r: r["tokens_per_s"])[len(group) // 2])
+        if len(group) > 1:
+            med["round_tokens_per_s"] = [r["tokens_per_s"] for r in group]
+        out.append(med)
+    return out
+
+
+def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "") -> list[dict]:
     from specserve import LLM, SamplingParams
     from specserve.core.metrics import SpecStats
 
@@ -130,7 +149,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool) -
     if spec:
         kw["speculative_config"] = _spec_config(cfg)
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
-    bar = _progress(f"specserve spec={'on' if spec else 'off'}", len(cfg.batch_sizes) * (cfg.repeats + 1))
+    bar = _progress(f"specserve spec={'on' if spec else 'off'}{label}", len(cfg.batch_sizes) * (cfg.repeats + 1))
     bar.set_postfix_str("loading")
     llm = LLM(cfg.model, **kw)
     eng = llm.engine
@@ -306,8 +325,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     rows: list[dict] = []
     prompt_ids, tok = _prompts_for(cfg, mcfg)
     eos = mcfg.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())  # as the engine
-    for spec in {"on": [True], "off": [False], "both": [False, True]}[cfg.speculative]:
-        rows += bench_specserve(cfg, prompt_ids, spec)
+    order = {"on": [True], "off": [False], "both": [False, True]}[cfg.speculative]
+    for i in range(cfg.rounds):  # alternately: every round runs each engine afresh
+        for spec in order:
+            rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1 else "")
+    rows = median_rounds(rows)
     extras: dict = {}
     for c in cfg.compare:
         try:
@@ -360,6 +382,12 @@ def _ratios(rows: list[dict]) -> dict:
                 out[f"{name} / {base} @ batch {b}"] = tps / by[(base, False, b)]
         if spec and ("specserve", False, b) in by:
             out[f"specserve+spec / specserve @ batch {b}"] = tps / by[("specserve", False, b)]
+    # rounds: the ratio within each round (the engines ran one after the other), their median
+    rounds = {(r["speculative"], r["batch"]): r["round_tokens_per_s"] for r in rows if "round_tokens_per_s" in r}
+    for (spec, b), tps in rounds.items():
+        if spec and (False, b) in rounds:
+            each = sorted(s / p for s, p in zip(tps, rounds[(False, b)]))
+            out[f"specserve+spec / specserve @ batch {b}, median of {len(each)} rounds"] = each[len(each) // 2]
     return out
 
 
