@@ -95,23 +95,26 @@ class DraftHead(nn.Module):
         """Target id of each entry of the head's vocabulary; None when it is the target's vocabulary."""
         return None
 
+    def derived(self, name: str, sources: tuple, make):
+        """A table made by ``make()`` from the tensors ``sources``, once per their storage and version (so a
+        reload or an edit in place remakes it). It is first made on an eager step or a graph's warm-up run,
+        outside any capture, and as a plain tensor even in inference mode, so that training can use it too."""
+        key = (name,) + tuple(_tensor_key(t) for t in sources)
+        cache = self.__dict__.setdefault("_derived", {})
+        if key not in cache:
+            if len(cache) >= 16:  # stale versions
+                cache.clear()
+            with torch.inference_mode(False), torch.no_grad():
+                cache[key] = make()
+        return cache[key]
+
     def int8_output(self, weight: torch.Tensor):
-        """A callable giving ``weight`` [V', H] quantized to int8 rows (made once per weight tensor and version,
-        on the first one-row draft step: outside any capture, like ``lm_weight``'s rows), or None with
-        SPECSERVE_DRAFT_INT8=0. Only the argmax of a draft's logits matters, and it reads half the bytes."""
+        """A callable giving ``weight`` [V', H] quantized to int8 rows (``derived``: made on the first one-row
+        draft step), or None with SPECSERVE_DRAFT_INT8=0. Only the argmax of a draft's logits matters, and it
+        reads half the bytes."""
         if os.environ.get("SPECSERVE_DRAFT_INT8", "1") == "0":
             return None
-
-        def get():
-            key = _tensor_key(weight)
-            cache = self.__dict__.setdefault("_int8", {})  # per weight: vanilla MTP has one per module
-            if key not in cache:
-                if len(cache) >= 8:  # stale versions
-                    cache.clear()
-                with torch.inference_mode(False), torch.no_grad():
-                    cache[key] = quantize_rows(weight)
-            return cache[key]
-        return get
+        return lambda: self.derived("int8", (weight,), lambda: quantize_rows(weight))
 
     def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
@@ -207,20 +210,14 @@ class Eagle3Head(DraftHead):
         return normed_logits(self.norm, out, w, self.int8_output(w))
 
     def lm_weight(self) -> torch.Tensor:
-        """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (gathered once
-        per target weight and d2t tensor and their versions, outside any capture like ``draft_ids``'s table; a
-        plain tensor even when first gathered in inference mode, so that training can use it afterwards)."""
+        """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (``derived``
+        from the target's weight and d2t)."""
         if self.lm_head is not None:
             return self.lm_head.weight
         full = self.target.lm_weight()  # [V, H]
         if len(self.d2t) == 0:
             return full
-        key = (_tensor_key(full), _tensor_key(self.d2t))
-        if getattr(self, "_rows_key", None) != key:
-            with torch.inference_mode(False), torch.no_grad():
-                self._rows = full[self.vocab_ids().to(full.device)].contiguous()  # [V', H]
-            self._rows_key = key
-        return self._rows
+        return self.derived("rows", (full, self.d2t), lambda: full[self.vocab_ids().to(full.device)].contiguous())
 
     def vocab_ids(self):
         if len(self.d2t) == 0:
@@ -230,12 +227,8 @@ class Eagle3Head(DraftHead):
     def draft_ids(self, step, out):
         if len(self.d2t) == 0:
             return argmax_lastdim(self.raw_logits(step, out))
-        # the argmax looks its draft id up in a draft id -> target id table, made once per d2t tensor and
-        # version (outside any capture: the first step runs eagerly or as a graph's warm-up run)
-        key = _tensor_key(self.d2t)
-        if getattr(self, "_t_ids_key", None) != key:
-            self._t_ids, self._t_ids_key = self.vocab_ids(), key
-        return argmax_lastdim(self.raw_logits(step, out), self._t_ids)
+        # the argmax looks its draft id up in a draft id -> target id table (``derived`` from d2t)
+        return argmax_lastdim(self.raw_logits(step, out), self.derived("target_ids", (self.d2t,), self.vocab_ids))
 
 
 # ---------------------------------------------------------------------------------------------
