@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag]
-#                                [host2] [programs] [int8] [lmhead] [tune]
+#                                [host2] [programs] [int8] [lmhead] [tune] [gemvab] [ab]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -21,7 +21,9 @@
 # programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100;
 # int8 (random weights, SPECSERVE_DRAFT_INT8 0 then 1, with step replays) 2 x 100;
 # tune (~250: the int8 output layer's launch sweep and K split or whole, chosen for later stages and calls on
-# the machine through /root/choice.env); lmhead (a draft step's output layer, bf16 / int8 launch sweep, and the speculative step's graph profile) ~150.
+# the machine through /root/choice.env); gemvab (bench_gemv.py with the weights loaded after / before the
+# prologue) 2 x 100; ab (random weights, step replays; each of AB_VARS, default SPECSERVE_GEMV_WFIRST
+# SPECSERVE_QKV_ROPE, set 0 then 1, the others at their defaults) 2 x 100 per variable; lmhead (a draft step's output layer, bf16 / int8 launch sweep, and the speculative step's graph profile) ~150.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -69,7 +71,15 @@ for st in $stages; do
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
     gemv) timeout 150 python3 benchmarks/bench_gemv.py --json $OUT/gemv.json 2>&1 | grep -v Warning | tail -16 ;;
-    gemvkernels) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py -k check_gemv 2>&1 | tail -4 ;;
+    gemvkernels) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
+             -k "check_gemv or check_qkv_rope or check_argmax" 2>&1 | tail -4 ;;
+    gemvab) for w in 0 1; do echo "--- SPECSERVE_GEMV_WFIRST=$w"
+             SPECSERVE_GEMV_WFIRST=$w timeout 100 python3 benchmarks/bench_gemv.py --json $OUT/gemv-wfirst-$w.json 2>&1 \
+             | grep -v Warning | tail -12; done ;;
+    ab) for var in ${AB_VARS:-SPECSERVE_GEMV_WFIRST SPECSERVE_QKV_ROPE}; do for v in 0 1; do echo "--- $var=$v"
+             env $var=$v timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
+             --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
+             --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/ab-$var-$v 2>&1 | quiet | tail -10; done; done ;;
     gemvsteps) for g in 0 1; do echo "--- SPECSERVE_GEMV=$g"
              SPECSERVE_GEMV=$g timeout 120 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.55} --ignore-eos --random-input-len 256 --batch-size 1 \

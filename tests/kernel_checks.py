@@ -19,7 +19,8 @@ from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels import gemv
-from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
+from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
+from specserve.kernels.qkv_rope import qkv_rope_cache
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -84,6 +85,53 @@ def check_rope_cache(device, dtype):
     _close(qo, rq, dtype, "rope q")
     _close(kc[0], kc[1], dtype, "rope k -> cache")
     assert torch.equal(vc[0], vc[1]), "v -> cache"
+
+
+@kernel_check
+def check_qkv_rope(device, dtype):
+    """The qkv projection with RoPE and the cache write inside against the projection and then the rope kernel
+    (q heads rotated, k rotated and v as is into the cache; their sums run in another order, so close, not
+    equal), for each prologue, with and without a bias, with the weights loaded first and after the prologue;
+    a row of a 5-row step exactly as the same row alone (a verify row rounds as a decode row)."""
+    g = torch.Generator().manual_seed(12)
+    hq, hkv, d, blocks, bs, k = 9, 3, 64, 5, 16, 576
+    n = (hq + 2 * hkv) * d
+    w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(100).float(), inv)
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    x = torch.randn(5, k, generator=g).to(device, dtype)
+    res = torch.randn(5, k + 8, generator=g).to(device, dtype)[:, :k]
+    pos = torch.tensor([0, 5, 17, 40, 99], device=device)
+    slots = torch.tensor([16, 21, 33, 79, 64], device=device)
+    wfirst = gemv.WFIRST
+    try:
+        for first in (True, False):
+            gemv.WFIRST = first
+            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, None)):
+                what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
+                caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
+
+                def args(rows):
+                    return (x[rows], w, b, pro, res[rows] if pro == ADD_NORM else None, None if pro == NONE else nw,
+                            1e-5)
+                got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d)
+                assert got is not None, "the check would compare the reference with itself"
+                qkv, r = fused_linear(*args(slice(None)))
+                q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                ref_q = rope_and_cache(pos, q.view(5, hq, d), kk.view(5, hkv, d), v.view(5, hkv, d), cos, sin,
+                                       *caches[1], slots)
+                _close(got[0], ref_q, dtype, what + ": q")
+                _close(caches[0], caches[1], dtype, what + ": cache")
+                assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
+                one = qkv_rope_cache(*args(slice(2, 3)), pos[2:3], cos, sin, *caches[2], slots[2:3], hq, hkv, d)
+                assert torch.equal(one[0][0], got[0][2]), what + ": a row alone"
+                kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
+                assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), what + ": cache alone"
+    finally:
+        gemv.WFIRST = wfirst
 
 
 @kernel_check
@@ -234,17 +282,18 @@ def check_draft_inputs(device, dtype):
 
 
 def check_gemv(device, dtype):
-    # K loaded in one block, then split in two (576 = 512 + 64)
-    for split in ("0", "1"):
-        old = os.environ.get("SPECSERVE_GEMV_SPLITK")
-        os.environ["SPECSERVE_GEMV_SPLITK"] = split
-        try:
+    # K loaded in one block, then split in two (576 = 512 + 64); the weights loaded after the prologue, then first
+    old, wfirst = os.environ.get("SPECSERVE_GEMV_SPLITK"), gemv.WFIRST
+    try:
+        for split, first in (("0", False), ("1", True)):
+            os.environ["SPECSERVE_GEMV_SPLITK"], gemv.WFIRST = split, first
             _check_gemv(device, dtype)
-        finally:
-            if old is None:
-                del os.environ["SPECSERVE_GEMV_SPLITK"]
-            else:
-                os.environ["SPECSERVE_GEMV_SPLITK"] = old
+    finally:
+        gemv.WFIRST = wfirst
+        if old is None:
+            del os.environ["SPECSERVE_GEMV_SPLITK"]
+        else:
+            os.environ["SPECSERVE_GEMV_SPLITK"] = old
 
 
 @kernel_check
@@ -283,6 +332,19 @@ def _check_gemv(device, dtype):
                 out, _ = fused_linear(x, q, None, NORM, None, nw, 1e-5, scale=sc, **launch)
                 _close(out, linear_ref(x, deq, None, NORM, None, nw, 1e-5)[0], dtype,
                        f"gemv int8 n={n} k={k} t={t} {launch}")
+                # the argmax inside the projection: exactly the argmax of its outputs, ties to the lowest index
+                ids = torch.randperm(4 * n, generator=g)[:n].to(device)
+                for wq, scale in ((q, sc), (w, None)):
+                    logits = fused_linear(x, wq, None, NORM, None, nw, 1e-5, scale=scale, **launch)[0]
+                    for m in (None, ids):
+                        got = gemv.fused_argmax(x, wq, NORM, nw, 1e-5, scale=scale, ids=m, **launch)
+                        assert torch.equal(got, argmax_lastdim(logits, m)), f"gemv argmax n={n} k={k} t={t} {launch}"
+            if t == 1:  # the best row copied to a lower index and to the last (other programs): the lowest wins
+                j = int(argmax_lastdim(fused_linear(x, w, None, NORM, None, nw, 1e-5)[0])[0])
+                tie = w.clone()
+                tie[j // 2] = tie[n - 1] = w[j]
+                got = gemv.fused_argmax(x, tie, NORM, nw, 1e-5)
+                assert int(got[0]) == j // 2, f"gemv argmax ties n={n} k={k}"
             if t < 3:
                 continue
             # with the same launch each token row rounds as it would alone
@@ -305,7 +367,7 @@ def _check_gemv(device, dtype):
 
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv]
+          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv, check_qkv_rope]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

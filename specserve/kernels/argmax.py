@@ -21,6 +21,7 @@ except ImportError:
 
 CHUNK = 2048  # columns per program of the first kernel
 MAX_CHUNKS = 1024  # past this many chunks per row the second kernel's tile grows too big: use PyTorch
+MAX_PICK = 4096  # chunks the second kernel reduces in one tile (a draft output layer's programs: 1,536)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared in float32 exactly (float64 would not be)
 
 
@@ -39,11 +40,23 @@ def argmax_lastdim(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Te
     n = x2.shape[0]
     part_v = torch.empty(n, n_chunks, dtype=torch.float32, device=x.device)
     part_i = torch.empty(n, n_chunks, dtype=torch.int64, device=x.device)
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
     _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK)
-    _argmax_pick[(n,)](part_v, part_i, out, n_chunks, out if ids is None else ids, BLOCK=triton.next_power_of_2(n_chunks),
+    return argmax_pick(part_v, part_i, ids).view(lead)
+
+
+def pick_fits(n_chunks: int) -> bool:
+    """Whether ``argmax_pick`` takes this many chunks per row in one tile."""
+    return triton is not None and 0 < n_chunks <= MAX_PICK
+
+
+def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Each chunk's largest value and its index, part_v / part_i [N, C] (float32, int64; C <= MAX_PICK) -> the
+    index of the largest per row [N] int64, the lowest chunk on ties (with ``ids``: ``ids`` at that index)."""
+    n, nc = part_v.shape
+    out = torch.empty(n, dtype=torch.int64, device=part_v.device)
+    _argmax_pick[(n,)](part_v, part_i, out, nc, out if ids is None else ids, BLOCK=triton.next_power_of_2(nc),
                        MAP=ids is not None)
-    return out.view(lead)
+    return out
 
 
 if triton is not None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from specserve.kernels import kernel_failed, kernel_usable, use_triton
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from specserve.kernels.argmax import argmax_lastdim, argmax_pick, pick_fits
 from specserve.kernels.norm import rms_norm, rms_norm_ref
 
 try:
@@ -42,6 +43,9 @@ TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread a
 # projection of the default model's verify steps (at most 720 programs) on these kernels.
 MAX_PROGRAMS = int(os.environ.get("SPECSERVE_GEMV_PROGRAMS", "1024"))  # 0: no limit (measurements)
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
+# Issue a program's weight loads before its prologue (the input row, its norm): SPECSERVE_GEMV_WFIRST=0 issues them
+# after it, as before (measurements: docs/BENCHMARKS.md, eleventh session)
+WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
 
 
 def gemv_enabled(x: torch.Tensor, k: int) -> bool:
@@ -115,17 +119,49 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     (x + residual) as the second value. ``scale`` [N] float32: ``weight`` is int8, output feature j's
     weights being ``weight[j] * scale[j]`` (``quantize_rows``; a draft head's output layer, read at half the
     bytes of bfloat16)."""
-    n, k = weight.shape
-    rows_ok = all(a is None or a.stride(-1) == 1 for a in (residual, add, norm_weight, bias))
-    if not gemv_enabled(x, k) or weight.stride(1) != 1 or not rows_ok:
-        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add)
-    t = x.shape[0]
-    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
-    res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
+    ref = (x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add)
+    if not _fusable(x, weight, residual, add, norm_weight, bias):
+        return linear_ref(*ref)
+    t, (n, k) = x.shape[0], weight.shape
     bn = block or block_n(n, k, t)
     if block is None and MAX_PROGRAMS and t > 1 and triton.cdiv(n, bn) * t > MAX_PROGRAMS:
-        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add,
-                          kernels=True)
+        return linear_ref(*ref, kernels=True)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
+    if not _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, None, bn,
+                   num_warps):
+        return linear_ref(*ref)
+    return out, res_out
+
+
+def fused_argmax(x, weight, prologue: int = NONE, norm_weight=None, eps: float = 0.0, scale=None, ids=None,
+                 block: int | None = None, num_warps: int = 4):
+    """x [T, K] -> argmax over ``fused_linear(x, weight, None, prologue, ...)``'s outputs per row [T] int64 (with
+    ``ids`` [N]: ``ids`` at that index), ties to the lowest index: a draft step's output layer and its argmax in
+    two kernels, the projection writing each program's best output instead of the logits, ``argmax_pick``
+    choosing among them. Elsewhere: ``argmax_lastdim`` over ``fused_linear``."""
+    t, (n, k) = x.shape[0], weight.shape
+    bn = block or block_n(n, k, t)
+    chunks = triton.cdiv(n, bn) if triton is not None else 0
+    if _fusable(x, weight, None, None, norm_weight, None) and (t == 1 or chunks * t <= MAX_PROGRAMS) \
+            and pick_fits(chunks):
+        part_v = torch.empty(t, chunks, dtype=torch.float32, device=x.device)
+        part_i = torch.empty(t, chunks, dtype=torch.int64, device=x.device)
+        if _launch(x, weight, None, prologue, None, norm_weight, eps, None, scale, part_v, None, (part_v, part_i),
+                   bn, num_warps):
+            return argmax_pick(part_v, part_i, ids)
+    logits = fused_linear(x, weight, None, prologue, None, norm_weight, eps, scale=scale)[0]
+    return argmax_lastdim(logits, ids)
+
+
+def _fusable(x, weight, *rows) -> bool:
+    return (gemv_enabled(x, weight.shape[1]) and weight.stride(1) == 1
+            and all(a is None or a.stride(-1) == 1 for a in rows))
+
+
+def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, parts, bn, num_warps):
+    """One ``_gemv_kernel`` launch; False where it did not build here (first launch; never inside a capture)."""
+    (t, _), (n, k) = x.shape, weight.shape
     k1, k2 = k_blocks(k)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
@@ -133,28 +169,80 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
-            scale if scale is not None else out, weight.stride(0), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-            HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, K1=k1, K2=k2, num_warps=num_warps)
-    except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
+            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), K=k, PROLOGUE=prologue,
+            HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, K1=k1,
+            K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, num_warps=num_warps)
+    except Exception as e:
         kernel_failed("gemv", e)
-        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add)
-    return out, res_out
+        return False
+    return True
 
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, K: tl.constexpr,
-                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
-        """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two."""
+    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, PV, PI,
+                     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                     WFIRST: tl.constexpr, ARGMAX: tl.constexpr):
+        """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two. ARGMAX: each
+        program also writes the largest of its outputs (as rounded) and its column to PV / PI [T, programs]."""
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
+        acc = _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K, PROLOGUE, HAS_SCALE,
+                        K1, K2, WFIRST)  # [BLOCK_N]
+        if HAS_BIAS:
+            acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
+        if HAS_ADD:
+            acc += tl.load(ADD + t * s_a + cols, mask=nm, other=0.0).to(tl.float32)
+        out = acc.to(X.dtype.element_ty)  # the outputs' dtype
+        if not ARGMAX:
+            tl.store(OUT + t * N + cols, out, mask=nm)
+        else:  # ties go to the lowest column, as torch.argmax's
+            best, at = tl.max(tl.where(nm, out.to(tl.float32), float("-inf")), axis=0, return_indices=True,
+                              return_indices_tie_break_left=True)
+            tl.store(PV + t * tl.num_programs(0) + pid, best)
+            tl.store(PI + t * tl.num_programs(0) + pid, (pid * BLOCK_N + at).to(tl.int64))
+
+    @triton.jit
+    def _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K: tl.constexpr,
+                  PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                  WFIRST: tl.constexpr):
+        """prologue(row t of X) . W[cols] (* SCALE[cols]) in float32 [len(cols)]. WFIRST issues the weight loads
+        before the prologue (whose reductions wait on barriers), so their latency overlaps it."""
+        if WFIRST:
+            w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
+        a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2)
+        if not WFIRST:
+            w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
+        acc = _gemv_dot(w1, w2, a1, a2, K2)
+        if HAS_SCALE:
+            acc *= tl.load(SCALE + cols, mask=nm, other=1.0).to(tl.float32)
+        return acc
+
+    @triton.jit
+    def _gemv_weights(W, cols, nm, s_w, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
+        """Rows ``cols`` of W as loaded: ([len(cols), K1], [len(cols), K2]); the second is the first again when
+        K2 = 0 (unused)."""
+        w_rows = W + cols[:, None].to(tl.int64) * s_w
+        ks1 = tl.arange(0, K1)
+        w1 = tl.load(w_rows + ks1[None, :], mask=nm[:, None] & (ks1 < K)[None, :], other=0.0)
+        w2 = w1
+        if K2 > 0:
+            ks2 = K1 + tl.arange(0, K2)
+            w2 = tl.load(w_rows + ks2[None, :], mask=nm[:, None] & (ks2 < K)[None, :], other=0.0)
+        return w1, w2
+
+    @triton.jit
+    def _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K: tl.constexpr, PROLOGUE: tl.constexpr,
+                       K1: tl.constexpr, K2: tl.constexpr):
+        """Row t's input after the prologue, in float32: ([K1], [K2]) (the second is the first when K2 = 0)."""
         row, res, res_out = X + t * s_x, RES + t * s_r, RES_OUT + t * K
         ks1 = tl.arange(0, K1)
         km1 = ks1 < K
         x1 = _gemv_input(row, res, res_out, ks1, km1, pid, K, PROLOGUE)  # [K1]
+        x2 = x1
         if K2 > 0:
             ks2 = K1 + tl.arange(0, K2)
             km2 = ks2 < K
@@ -165,25 +253,20 @@ if triton is not None:
                 ss += tl.sum(x2.to(tl.float32) * x2.to(tl.float32), axis=0)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
             a1 = _gemv_normed(x1, NW, ks1, km1, rstd)
+            a2 = a1
             if K2 > 0:
                 a2 = _gemv_normed(x2, NW, ks2, km2, rstd)
         else:
             a1 = x1.to(tl.float32)
-            if K2 > 0:
-                a2 = x2.to(tl.float32)
-        w_rows = W + cols[:, None].to(tl.int64) * s_w
-        w1 = tl.load(w_rows + ks1[None, :], mask=nm[:, None] & km1[None, :], other=0.0).to(tl.float32)
-        acc = tl.sum(w1 * a1[None, :], axis=1)  # [BLOCK_N]
+            a2 = x2.to(tl.float32)
+        return a1, a2
+
+    @triton.jit
+    def _gemv_dot(w1, w2, a1, a2, K2: tl.constexpr):
+        acc = tl.sum(w1.to(tl.float32) * a1[None, :], axis=1)
         if K2 > 0:
-            w2 = tl.load(w_rows + ks2[None, :], mask=nm[:, None] & km2[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w2 * a2[None, :], axis=1)
-        if HAS_SCALE:
-            acc *= tl.load(SCALE + cols, mask=nm, other=1.0).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
-        if HAS_ADD:
-            acc += tl.load(ADD + t * s_a + cols, mask=nm, other=0.0).to(tl.float32)
-        tl.store(OUT + t * N + cols, acc.to(OUT.dtype.element_ty), mask=nm)
+            acc += tl.sum(w2.to(tl.float32) * a2[None, :], axis=1)
+        return acc
 
     @triton.jit
     def _gemv_input(row, res, res_out, ks, km, pid, K: tl.constexpr, PROLOGUE: tl.constexpr):

@@ -10,7 +10,8 @@ from torch import nn
 
 from specserve.config import RopeScaling
 from specserve.kernels.activation import silu_and_mul
-from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_linear, gemv_enabled
+from specserve.kernels.argmax import argmax_lastdim
+from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_argmax, fused_linear, gemv_enabled
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -41,6 +42,18 @@ def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=N
                                 **_LM_LAUNCH)[0]
         return fused_linear(x, weight, None, NORM, norm_weight=norm.weight, eps=norm.eps)[0]
     return nn.functional.linear(norm(x), weight)
+
+
+def normed_argmax(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=None, ids=None) -> torch.Tensor:
+    """x [N, H] -> the argmax of ``normed_logits(norm, x, weight, int8)`` per row [N] int64 (``ids`` [V']: the
+    target id at that index), ties to the lowest index. One row on the GPU: the output layer's kernel writes
+    each program's best logit instead of the logits, and a second kernel picks among them."""
+    if x.dim() == 2 and x.shape[0] == 1 and gemv_enabled(x, x.shape[-1]):
+        if int8 is not None:
+            q, scale = int8()
+            return fused_argmax(x, q, NORM, norm.weight, norm.eps, scale=scale, ids=ids, **_LM_LAUNCH)
+        return fused_argmax(x, weight, NORM, norm.weight, norm.eps, ids=ids)
+    return argmax_lastdim(normed_logits(norm, x, weight, int8), ids)
 
 
 class RMSNorm(nn.Module):

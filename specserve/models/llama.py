@@ -15,7 +15,8 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
-from specserve.kernels.gemv import ADD_NORM, NORM, fused_linear
+from specserve.kernels.gemv import ADD_NORM, NONE, NORM, fused_linear
+from specserve.kernels.qkv_rope import qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
 
 
@@ -31,13 +32,26 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = self.d ** -0.5
 
-    def forward(self, x, positions, meta, k_cache, v_cache):
+    def forward(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None):
         """x [T, H]; positions [T] -> [T, H] over the paged cache (``meta``: AttentionMetadata).
 
         Training passes ``[B, S, H]`` inputs and a ``meta`` object with ``attend(q, k, v)`` (dense causal
         or training-time-test layouts, see ``specserve.train.attention``); no KV cache is used then.
+        ``prologue`` NORM / ADD_NORM (the few-row GPU path only): x is first normed by ``norm`` (after adding
+        ``residual``) inside the qkv projection; then it returns (output, x + residual or None).
         """
-        return self.from_qkv(linear(self.qkv_proj, x), positions, meta, k_cache, v_cache)
+        if isinstance(meta, AttentionMetadata) and self.q_norm is None:  # RoPE and the KV write in the projection
+            fused = qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual,
+                                   None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, positions,
+                                   self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache, meta.slot_mapping,
+                                   self.hq, self.hkv, self.d)
+            if fused is not None:
+                out = self._attend(fused[0], meta, k_cache, v_cache)
+                return out if prologue == NONE else (out, fused[1])
+        if prologue == NONE:
+            return self.from_qkv(linear(self.qkv_proj, x), positions, meta, k_cache, v_cache)
+        qkv, res = fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, norm.weight, norm.eps)
+        return self.from_qkv(qkv, positions, meta, k_cache, v_cache), res
 
     def from_qkv(self, qkv, positions, meta, k_cache, v_cache):
         """``forward`` after the qkv projection: qkv [..., (Hq + 2 Hkv) * D] -> [..., H]."""
@@ -52,11 +66,15 @@ class Attention(nn.Module):
             # RoPE on q and k, and k/v into the cache at the step's slots (one kernel on CUDA)
             q = rope_and_cache(positions, q, k, v, self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache,
                                meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        else:
-            q, k = self.rope(positions, q, k)
-            out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
+            return self._attend(q, meta, k_cache, v_cache)
+        q, k = self.rope(positions, q, k)
+        out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
         return linear(self.o_proj, out.reshape(*lead, self.hq * self.d))
+
+    def _attend(self, q, meta, k_cache, v_cache):
+        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H]."""
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return linear(self.o_proj, out.reshape(q.shape[0], self.hq * self.d))
 
 
 class DecoderLayer(nn.Module):
@@ -70,10 +88,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, meta, k_cache, v_cache):
         """Returns (layer output before the residual add, residual); their sum is the stream."""
         if self.mlp.few_row_path(x):  # few rows on the GPU: the input norm runs inside the qkv projection
-            attn, ln = self.self_attn, self.input_layernorm
-            qkv, res = fused_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias, NORM if residual is None else ADD_NORM,
-                                    residual, ln.weight, ln.eps)
-            h = attn.from_qkv(qkv, positions, meta, k_cache, v_cache)
+            h, res = self.self_attn(x, positions, meta, k_cache, v_cache, NORM if residual is None else ADD_NORM,
+                                    residual, self.input_layernorm)
             return self.mlp.after_norm(self.post_attention_layernorm, h, x if residual is None else res)
         if residual is None:
             residual = x

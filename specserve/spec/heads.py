@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import quantize_rows
 from specserve.kernels.norm import embed_norm_cat
 from specserve.models.attention import AttentionMetadata
-from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear, normed_logits
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear, normed_argmax, normed_logits
 from specserve.models.llama import Attention, DecoderLayer
 
 
@@ -86,13 +85,22 @@ class DraftHead(nn.Module):
         """out [..., H] -> logits over the head's vocabulary [..., V'] (float32)."""
         return self.raw_logits(step, out).float()
 
+    def output_layer(self, step: int) -> tuple[RMSNorm, torch.Tensor]:
+        """The final norm and output projection [V', H] of draft step ``step``."""
+        raise NotImplementedError
+
     def raw_logits(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [..., H] -> logits over the head's vocabulary [..., V'] in the compute dtype (argmax needs no
         float32 copy: converting is exact, so the argmax is the same)."""
-        raise NotImplementedError
+        norm, w = self.output_layer(step)
+        return normed_logits(norm, out, w, self.int8_output(w))
 
     def vocab_ids(self) -> torch.Tensor | None:
         """Target id of each entry of the head's vocabulary; None when it is the target's vocabulary."""
+        return None
+
+    def target_ids(self) -> torch.Tensor | None:
+        """``vocab_ids()`` as a device table made once (``derived``), for the draft argmax's lookup."""
         return None
 
     def derived(self, name: str, sources: tuple, make):
@@ -117,8 +125,10 @@ class DraftHead(nn.Module):
         return lambda: self.derived("int8", (weight,), lambda: quantize_rows(weight))
 
     def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
-        """out [B, H] -> most likely next token, as target vocabulary ids [B]."""
-        return argmax_lastdim(self.raw_logits(step, out))
+        """out [B, H] -> most likely next token, as target vocabulary ids [B] (one row on the GPU: the argmax's
+        first stage inside the output layer, ``normed_argmax``)."""
+        norm, w = self.output_layer(step)
+        return normed_argmax(norm, out, w, self.int8_output(w), self.target_ids())
 
     def kv_layer(self, step: int) -> int:
         return 0
@@ -205,9 +215,8 @@ class Eagle3Head(DraftHead):
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv)
 
-    def raw_logits(self, step, out):
-        w = self.lm_weight()
-        return normed_logits(self.norm, out, w, self.int8_output(w))
+    def output_layer(self, step):
+        return self.norm, self.lm_weight()
 
     def lm_weight(self) -> torch.Tensor:
         """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (``derived``
@@ -224,11 +233,8 @@ class Eagle3Head(DraftHead):
             return None
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
-    def draft_ids(self, step, out):
-        if len(self.d2t) == 0:
-            return argmax_lastdim(self.raw_logits(step, out))
-        # the argmax looks its draft id up in a draft id -> target id table (``derived`` from d2t)
-        return argmax_lastdim(self.raw_logits(step, out), self.derived("target_ids", (self.d2t,), self.vocab_ids))
+    def target_ids(self):
+        return None if len(self.d2t) == 0 else self.derived("target_ids", (self.d2t,), self.vocab_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,11 +286,10 @@ class MTPHead(DraftHead):
     def run_module(self, step, ids, positions, hidden, meta, kv):
         return self.module(step)(ids, self.embed_table(), hidden, positions, meta, *kv)
 
-    def raw_logits(self, step, out):
+    def output_layer(self, step):
         mod = self.module(step)
         head = mod.shared_head_head
-        w = self.target.lm_weight() if head is None else head.weight
-        return normed_logits(mod.shared_head_norm, out, w, self.int8_output(w))
+        return mod.shared_head_norm, self.target.lm_weight() if head is None else head.weight
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         if self.eagle:

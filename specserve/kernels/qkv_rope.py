@@ -1,0 +1,108 @@
+"""A few-row step's qkv projection with RoPE and the KV-cache write in its epilogue: one kernel per decoder
+layer instead of the projection (``gemv.fused_linear``) and ``rope.rope_and_cache``.
+
+A program owns ``HB`` pairs of features (d, d + D/2) of one head, the pairs RoPE rotates together, so it can
+rotate what it computed: q heads go to the rotated-q output, k heads rotated and v heads as they are to the
+cache slot of the token. Each output is rounded as the two kernels round it (the projection to the
+activations' dtype, then the rotation in float32 with cos / sin rounded to that dtype, as the kernel of
+``rope_and_cache``), so results equal theirs exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specserve.kernels import gemv, kernel_failed
+
+try:
+    import triton
+    import triton.language as tl
+
+    from specserve.kernels.gemv import _gemv_dot, _gemv_prologue, _gemv_weights
+except ImportError:
+    triton = None
+
+
+def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache, k_cache,
+                   v_cache, slot_mapping, hq: int, hkv: int, d: int):
+    """x [T, K]; weight [(Hq + 2 Hkv) * D, K] -> (rotated q [T, Hq, D], new residual stream or None) with k
+    (rotated) and v written to the caches [blocks, block_size, Hkv, D] at ``slot_mapping`` [T]; or None where
+    the kernel does not apply (the caller then runs ``fused_linear`` and ``rope_and_cache``; SPECSERVE_QKV_ROPE=0
+always does, for measurements)."""
+    n, k = weight.shape
+    half = d // 2
+    if (os.environ.get("SPECSERVE_QKV_ROPE", "1") == "0" or d % 2 or n != (hq + 2 * hkv) * d or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or not gemv._fusable(x, weight, residual, norm_weight, bias)):
+        return None
+    t = x.shape[0]
+    hb = max(1, min(gemv.block_n(n, k, t) // 2, half & -half))  # pairs per program: a power of two dividing D/2
+    programs = (hq + 2 * hkv) * (half // hb)
+    if gemv.MAX_PROGRAMS and t > 1 and programs * t > gemv.MAX_PROGRAMS:
+        return None
+    q_out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
+    k1, k2 = gemv.k_blocks(k)
+    try:
+        _qkv_rope_kernel[(programs, t)](
+            x, residual if residual is not None else x, res_out if res_out is not None else q_out,
+            norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
+            q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps, x.stride(0),
+            residual.stride(0) if residual is not None else 0, weight.stride(0), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=k, PROLOGUE=prologue,
+            HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2, WFIRST=gemv.WFIRST)
+    except Exception as e:  # not built here (first launch; never inside a capture)
+        kernel_failed("qkv_rope", e)
+        return None
+    return q_out, res_out
+
+
+if triton is not None:
+    @triton.jit
+    def _qkv_rope_kernel(X, RES, RES_OUT, NW, W, BIAS, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r, s_w, sc_blk,
+                         sc_slot, sc_h, s_cos, BS, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                         K1: tl.constexpr, K2: tl.constexpr, WFIRST: tl.constexpr):
+        pid = tl.program_id(0)
+        t = tl.program_id(1).to(tl.int64)  # the token row
+        head = pid // (HALF // HB)  # q heads, then k heads, then v heads
+        c = (pid % (HALF // HB)) * HB + tl.arange(0, HB)  # the pairs' first features, within the head's half
+        cols1 = head * 2 * HALF + c  # [HB]
+        cols2 = cols1 + HALF
+        nm = c < HALF
+        if WFIRST:
+            w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+            u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+        a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2)
+        if not WFIRST:
+            w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+            u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+        p1 = _gemv_dot(w1, w2, a1, a2, K2)
+        p2 = _gemv_dot(u1, u2, a1, a2, K2)
+        if HAS_BIAS:
+            p1 += tl.load(BIAS + cols1).to(tl.float32)
+            p2 += tl.load(BIAS + cols2).to(tl.float32)
+        # the projection's outputs as its own kernel would store them
+        p1 = p1.to(X.dtype.element_ty)
+        p2 = p2.to(X.dtype.element_ty)
+        slot = tl.load(SLOT + t)
+        base = (slot // BS) * sc_blk + (slot % BS) * sc_slot + c
+        if head >= HQ + HKV:  # v: to the cache unrotated
+            vo = VC + base + (head - HQ - HKV) * sc_h
+            tl.store(vo, p1.to(VC.dtype.element_ty))
+            tl.store(vo + HALF, p2.to(VC.dtype.element_ty))
+        else:
+            pos = tl.load(POS + t)
+            cos = tl.load(COS + pos * s_cos + c).to(X.dtype.element_ty).to(tl.float32)
+            sin = tl.load(SIN + pos * s_cos + c).to(X.dtype.element_ty).to(tl.float32)
+            r1 = p1.to(tl.float32) * cos - p2.to(tl.float32) * sin
+            r2 = p2.to(tl.float32) * cos + p1.to(tl.float32) * sin
+            if head < HQ:
+                qo = QO + t * (HQ * 2 * HALF) + head * (2 * HALF) + c
+                tl.store(qo, r1.to(QO.dtype.element_ty))
+                tl.store(qo + HALF, r2.to(QO.dtype.element_ty))
+            else:
+                ko = KC + base + (head - HQ) * sc_h
+                tl.store(ko, r1.to(KC.dtype.element_ty))
+                tl.store(ko + HALF, r2.to(KC.dtype.element_ty))
