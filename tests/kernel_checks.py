@@ -20,7 +20,7 @@ from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels import gemv
 from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
-from specserve.kernels.qkv_rope import qkv_rope_cache
+from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -91,7 +91,7 @@ def check_rope_cache(device, dtype):
 def check_qkv_rope(device, dtype):
     """The qkv projection with RoPE and the cache write inside against the projection and then the rope kernel
     (q heads rotated, k rotated and v as is into the cache; their sums run in another order, so close, not
-    equal), for each prologue, with and without a bias, with the weights loaded first and after the prologue;
+    equal), for each prologue (a draft head's: against ``embed_norm_cat``), with and without a bias, with the weights loaded first and after the prologue;
     a row of a 5-row step exactly as the same row alone (a verify row rounds as a decode row)."""
     g = torch.Generator().manual_seed(12)
     hq, hkv, d, blocks, bs, k = 9, 3, 64, 5, 16, 576
@@ -104,29 +104,41 @@ def check_qkv_rope(device, dtype):
     cos, sin = freqs.cos().to(device), freqs.sin().to(device)
     x = torch.randn(5, k, generator=g).to(device, dtype)
     res = torch.randn(5, k + 8, generator=g).to(device, dtype)[:, :k]
+    w2 = (0.05 * torch.randn(n, 2 * k, generator=g)).to(device, dtype)  # EMBED_CAT's projection: [embedding, x]
+    table = torch.randn(50, k, generator=g).to(device, dtype)
+    nw_e = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    ids = torch.tensor([3, 49, 0, 7, 3], device=device)
     pos = torch.tensor([0, 5, 17, 40, 99], device=device)
     slots = torch.tensor([16, 21, 33, 79, 64], device=device)
     wfirst = gemv.WFIRST
     try:
         for first in (True, False):
             gemv.WFIRST = first
-            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, None)):
+            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, None), (EMBED_CAT, None)):
                 what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
                 caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
 
                 def args(rows):
-                    return (x[rows], w, b, pro, res[rows] if pro == ADD_NORM else None, None if pro == NONE else nw,
-                            1e-5)
-                got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d)
+                    return (x[rows], w2 if pro == EMBED_CAT else w, b, pro, res[rows] if pro == ADD_NORM else None,
+                            None if pro == NONE else nw, 1e-5)
+
+                def embed(rows):  # a draft head's input: a token's embedding and a hidden state, each normed
+                    return dict(embed=(ids[rows], table, nw_e)) if pro == EMBED_CAT else {}
+                got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d,
+                                     **embed(slice(None)))
                 assert got is not None, "the check would compare the reference with itself"
-                qkv, r = fused_linear(*args(slice(None)))
+                if pro == EMBED_CAT:
+                    qkv, r = fused_linear(embed_norm_cat(ids, table, nw_e, x, nw, 1e-5), w2)
+                else:
+                    qkv, r = fused_linear(*args(slice(None)))
                 q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
                 ref_q = rope_and_cache(pos, q.view(5, hq, d), kk.view(5, hkv, d), v.view(5, hkv, d), cos, sin,
                                        *caches[1], slots)
                 _close(got[0], ref_q, dtype, what + ": q")
                 _close(caches[0], caches[1], dtype, what + ": cache")
                 assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
-                one = qkv_rope_cache(*args(slice(2, 3)), pos[2:3], cos, sin, *caches[2], slots[2:3], hq, hkv, d)
+                one = qkv_rope_cache(*args(slice(2, 3)), pos[2:3], cos, sin, *caches[2], slots[2:3], hq, hkv, d,
+                                     **embed(slice(2, 3)))
                 assert torch.equal(one[0][0], got[0][2]), what + ": a row alone"
                 kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
                 assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), what + ": cache alone"

@@ -16,6 +16,8 @@ import torch
 
 from specserve.kernels import gemv, kernel_failed
 
+EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
+
 try:
     import triton
     import triton.language as tl
@@ -26,32 +28,40 @@ except ImportError:
 
 
 def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache, k_cache,
-                   v_cache, slot_mapping, hq: int, hkv: int, d: int):
+                   v_cache, slot_mapping, hq: int, hkv: int, d: int, embed=None):
     """x [T, K]; weight [(Hq + 2 Hkv) * D, K] -> (rotated q [T, Hq, D], new residual stream or None) with k
     (rotated) and v written to the caches [blocks, block_size, Hkv, D] at ``slot_mapping`` [T]; or None where
     the kernel does not apply (the caller then runs ``fused_linear`` and ``rope_and_cache``; SPECSERVE_QKV_ROPE=0
-always does, for measurements)."""
+    always does, for measurements). ``embed`` = (ids [T], table [V, H], embedding norm weight [H]) with
+    prologue EMBED_CAT: the input row is ``embed_norm_cat``'s, cat(norm(table[ids]), norm(x)) [2H] (a draft
+    head's layer; ``norm_weight`` is the hidden half's), K = 2H."""
     n, k = weight.shape
     half = d // 2
-    if (os.environ.get("SPECSERVE_QKV_ROPE", "1") == "0" or d % 2 or n != (hq + 2 * hkv) * d or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
-            or not gemv._fusable(x, weight, residual, norm_weight, bias)):
+    kx = k // 2 if prologue == EMBED_CAT else k  # the width of x (and of each half's norm)
+    rows = (residual, norm_weight, bias) + ((embed[1], embed[2]) if prologue == EMBED_CAT else ())
+    if (os.environ.get("SPECSERVE_QKV_ROPE", "1") == "0" or d % 2 or n != (hq + 2 * hkv) * d
+            or (prologue == EMBED_CAT) != (embed is not None) or x.shape[-1] != kx
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or not gemv._fusable(x, weight, *rows)):
         return None
     t = x.shape[0]
-    hb = max(1, min(gemv.block_n(n, k, t) // 2, half & -half))  # pairs per program: a power of two dividing D/2
+    # pairs per program: a power of two dividing D/2, chosen from x's width so one row rounds alike in any step
+    hb = max(1, min(gemv.block_n(n, kx, t) // 2, half & -half))
     programs = (hq + 2 * hkv) * (half // hb)
     if gemv.MAX_PROGRAMS and t > 1 and programs * t > gemv.MAX_PROGRAMS:
         return None
     q_out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
-    k1, k2 = gemv.k_blocks(k)
+    ids, table, w_embed = embed if embed is not None else (positions, x, x)
+    k1, k2 = gemv.k_blocks(kx)
     try:
         _qkv_rope_kernel[(programs, t)](
             x, residual if residual is not None else x, res_out if res_out is not None else q_out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
-            q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps, x.stride(0),
-            residual.stride(0) if residual is not None else 0, weight.stride(0), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=k, PROLOGUE=prologue,
-            HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2, WFIRST=gemv.WFIRST)
+            ids, table, w_embed, q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps,
+            x.stride(0), residual.stride(0) if residual is not None else 0, table.stride(0), weight.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=kx,
+            PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2,
+            WFIRST=gemv.WFIRST)
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rope", e)
         return None
@@ -60,10 +70,11 @@ always does, for measurements)."""
 
 if triton is not None:
     @triton.jit
-    def _qkv_rope_kernel(X, RES, RES_OUT, NW, W, BIAS, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r, s_w, sc_blk,
-                         sc_slot, sc_h, s_cos, BS, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                         K1: tl.constexpr, K2: tl.constexpr, WFIRST: tl.constexpr):
+    def _qkv_rope_kernel(X, RES, RES_OUT, NW, W, BIAS, IDS, E, NWE, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r,
+                         s_e, s_w, sc_blk, sc_slot, sc_h, s_cos, BS, K: tl.constexpr, PROLOGUE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr,
+                         HKV: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, WFIRST: tl.constexpr):
+        """K: the width of x (EMBED_CAT: of each half of the input row)."""
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         head = pid // (HALF // HB)  # q heads, then k heads, then v heads
@@ -71,15 +82,32 @@ if triton is not None:
         cols1 = head * 2 * HALF + c  # [HB]
         cols2 = cols1 + HALF
         nm = c < HALF
-        if WFIRST:
-            w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
-            u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
-        a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2)
-        if not WFIRST:
-            w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
-            u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
-        p1 = _gemv_dot(w1, w2, a1, a2, K2)
-        p2 = _gemv_dot(u1, u2, a1, a2, K2)
+        if PROLOGUE == 4:  # EMBED_CAT: columns [0, K) take norm(E[id]) (weights NWE), [K, 2K) norm(x) (NW)
+            if WFIRST:
+                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+                v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
+                z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
+            tok = tl.load(IDS + t).to(tl.int64)
+            e1, e2 = _gemv_prologue(E, RES, RES_OUT, NWE, tok, eps, s_e, 0, pid, K, 1, K1, K2)
+            a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, 0, pid, K, 1, K1, K2)
+            if not WFIRST:
+                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+                v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
+                z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
+            p1 = _gemv_dot(w1, w2, e1, e2, K2) + _gemv_dot(v1, v2, a1, a2, K2)
+            p2 = _gemv_dot(u1, u2, e1, e2, K2) + _gemv_dot(z1, z2, a1, a2, K2)
+        else:
+            if WFIRST:
+                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+            a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2)
+            if not WFIRST:
+                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+            p1 = _gemv_dot(w1, w2, a1, a2, K2)
+            p2 = _gemv_dot(u1, u2, a1, a2, K2)
         if HAS_BIAS:
             p1 += tl.load(BIAS + cols1).to(tl.float32)
             p2 += tl.load(BIAS + cols2).to(tl.float32)

@@ -16,7 +16,8 @@ from specserve.config import ModelConfig
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.gemv import ADD_NORM, NONE, NORM, fused_linear
-from specserve.kernels.qkv_rope import qkv_rope_cache
+from specserve.kernels.norm import embed_norm_cat
+from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
 
 
@@ -32,25 +33,32 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = self.d ** -0.5
 
-    def forward(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None):
+    def forward(self, x, positions, meta, k_cache, v_cache):
         """x [T, H]; positions [T] -> [T, H] over the paged cache (``meta``: AttentionMetadata).
 
         Training passes ``[B, S, H]`` inputs and a ``meta`` object with ``attend(q, k, v)`` (dense causal
         or training-time-test layouts, see ``specserve.train.attention``); no KV cache is used then.
-        ``prologue`` NORM / ADD_NORM (the few-row GPU path only): x is first normed by ``norm`` (after adding
-        ``residual``) inside the qkv projection; then it returns (output, x + residual or None).
         """
-        if isinstance(meta, AttentionMetadata) and self.q_norm is None:  # RoPE and the KV write in the projection
-            fused = qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual,
-                                   None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, positions,
+        return self.normed(x, positions, meta, k_cache, v_cache)[0]
+
+    def normed(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None,
+               embed=None):
+        """``forward`` of prologue(x) -> (output, x + residual for ADD_NORM, else None). NORM / ADD_NORM (the
+        few-row GPU path): x normed by ``norm`` (after adding ``residual``); EMBED_CAT, ``embed`` = (ids [T],
+        table [V, H], embedding norm): cat(embedding norm(table[ids]), norm(x)), a draft head's input. Where the
+        kernel applies, the prologue, RoPE and the KV write all run inside the qkv projection."""
+        nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        if isinstance(meta, AttentionMetadata) and self.q_norm is None:
+            fused = qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps, positions,
                                    self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache, meta.slot_mapping,
-                                   self.hq, self.hkv, self.d)
+                                   self.hq, self.hkv, self.d, None if embed is None else (*embed[:2], embed[2].weight))
             if fused is not None:
-                out = self._attend(fused[0], meta, k_cache, v_cache)
-                return out if prologue == NONE else (out, fused[1])
+                return self._attend(fused[0], meta, k_cache, v_cache), fused[1]
+        if prologue == EMBED_CAT:
+            x, prologue = embed_norm_cat(embed[0], embed[1], embed[2].weight, x, nw, eps), NONE
         if prologue == NONE:
-            return self.from_qkv(linear(self.qkv_proj, x), positions, meta, k_cache, v_cache)
-        qkv, res = fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, norm.weight, norm.eps)
+            return self.from_qkv(linear(self.qkv_proj, x), positions, meta, k_cache, v_cache), None
+        qkv, res = fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps)
         return self.from_qkv(qkv, positions, meta, k_cache, v_cache), res
 
     def from_qkv(self, qkv, positions, meta, k_cache, v_cache):
@@ -88,8 +96,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, meta, k_cache, v_cache):
         """Returns (layer output before the residual add, residual); their sum is the stream."""
         if self.mlp.few_row_path(x):  # few rows on the GPU: the input norm runs inside the qkv projection
-            h, res = self.self_attn(x, positions, meta, k_cache, v_cache, NORM if residual is None else ADD_NORM,
-                                    residual, self.input_layernorm)
+            h, res = self.self_attn.normed(x, positions, meta, k_cache, v_cache,
+                                           NORM if residual is None else ADD_NORM, residual, self.input_layernorm)
             return self.mlp.after_norm(self.post_attention_layernorm, h, x if residual is None else res)
         if residual is None:
             residual = x

@@ -20,6 +20,7 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.kernels.gemv import quantize_rows
 from specserve.kernels.norm import embed_norm_cat
+from specserve.kernels.qkv_rope import EMBED_CAT
 from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear, normed_argmax, normed_logits
 from specserve.models.llama import Attention, DecoderLayer
@@ -182,9 +183,10 @@ class Eagle3Layer(nn.Module):
     def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache):
         """ids [N] (training: [B, S]); table [V, H]: the embedding; hidden [N, H] -> output stream [N, H]
         (pre final norm)."""
-        x = embed_norm_cat(ids, table, self.input_layernorm.weight, hidden, self.hidden_norm.weight,
-                           self.input_layernorm.eps)  # [N, 2H]
-        x = self.self_attn(x, positions, meta, k_cache, v_cache)
+        # the input [N, 2H], cat(input_layernorm(embed), hidden_norm(hidden)), built inside the qkv projection
+        # where its kernel applies
+        x, _ = self.self_attn.normed(hidden, positions, meta, k_cache, v_cache, EMBED_CAT, None, self.hidden_norm,
+                                     (ids, table, self.input_layernorm))
         return self.mlp.after_norm_sum(self.post_attention_layernorm, x, hidden)
 
 
