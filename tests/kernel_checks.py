@@ -91,8 +91,9 @@ def check_rope_cache(device, dtype):
 def check_qkv_rope(device, dtype):
     """The qkv projection with RoPE and the cache write inside against the projection and then the rope kernel
     (q heads rotated, k rotated and v as is into the cache; their sums run in another order, so close, not
-    equal), for each prologue (a draft head's: against ``embed_norm_cat``), with and without a bias, with the weights loaded first and after the prologue;
-    a row of a 5-row step exactly as the same row alone (a verify row rounds as a decode row)."""
+    equal), for each prologue (a draft head's: against ``embed_norm_cat``), with and without a bias, with the
+    weights loaded first and after the prologue; a row of a 5-row step exactly as the same row in steps of 1
+    and 2 rows (a verify row rounds as a decode row)."""
     g = torch.Generator().manual_seed(12)
     hq, hkv, d, blocks, bs, k = 9, 3, 64, 5, 16, 576
     n = (hq + 2 * hkv) * d
@@ -114,7 +115,7 @@ def check_qkv_rope(device, dtype):
     try:
         for first in (True, False):
             gemv.WFIRST = first
-            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, None), (EMBED_CAT, None)):
+            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, bias if first else None), (EMBED_CAT, None)):
                 what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
                 caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
 
@@ -137,11 +138,14 @@ def check_qkv_rope(device, dtype):
                 _close(got[0], ref_q, dtype, what + ": q")
                 _close(caches[0], caches[1], dtype, what + ": cache")
                 assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
-                one = qkv_rope_cache(*args(slice(2, 3)), pos[2:3], cos, sin, *caches[2], slots[2:3], hq, hkv, d,
-                                     **embed(slice(2, 3)))
-                assert torch.equal(one[0][0], got[0][2]), what + ": a row alone"
-                kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
-                assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), what + ": cache alone"
+                for rows in (slice(2, 3), slice(1, 3)):  # the same row in a step of 1 and of 2 rows
+                    caches[2].zero_()
+                    part = qkv_rope_cache(*args(rows), pos[rows], cos, sin, *caches[2], slots[rows], hq, hkv, d,
+                                          **embed(rows))
+                    assert torch.equal(part[0][-1], got[0][2]), what + f": row 2 in a step of {part[0].shape[0]}"
+                    kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
+                    assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), \
+                        what + f": its cache entries in a step of {part[0].shape[0]}"
     finally:
         gemv.WFIRST = wfirst
 
@@ -294,10 +298,10 @@ def check_draft_inputs(device, dtype):
 
 
 def check_gemv(device, dtype):
-    # K loaded in one block, then split in two (576 = 512 + 64); the weights loaded after the prologue, then first
+    # K loaded in one block or split in two (576 = 512 + 64); the weights loaded after the prologue or first
     old, wfirst = os.environ.get("SPECSERVE_GEMV_SPLITK"), gemv.WFIRST
     try:
-        for split, first in (("0", False), ("1", True)):
+        for split, first in (("0", False), ("0", True), ("1", False), ("1", True)):
             os.environ["SPECSERVE_GEMV_SPLITK"], gemv.WFIRST = split, first
             _check_gemv(device, dtype)
     finally:
@@ -351,6 +355,11 @@ def _check_gemv(device, dtype):
                     for m in (None, ids):
                         got = gemv.fused_argmax(x, wq, NORM, nw, 1e-5, scale=scale, ids=m, **launch)
                         assert torch.equal(got, argmax_lastdim(logits, m)), f"gemv argmax n={n} k={k} t={t} {launch}"
+            # every logit negative: the masked columns past N (a partial last block) must not win with a zero
+            xp, wn = x.abs(), -w.abs()
+            got = gemv.fused_argmax(xp, wn)
+            assert torch.equal(got, argmax_lastdim(fused_linear(xp, wn)[0])) and int(got.max()) < n, \
+                f"gemv argmax, negative logits n={n} k={k} t={t}"
             if t == 1:  # the best row copied to a lower index and to the last (other programs): the lowest wins
                 j = int(argmax_lastdim(fused_linear(x, w, None, NORM, None, nw, 1e-5)[0])[0])
                 tie = w.clone()

@@ -119,18 +119,21 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     (x + residual) as the second value. ``scale`` [N] float32: ``weight`` is int8, output feature j's
     weights being ``weight[j] * scale[j]`` (``quantize_rows``; a draft head's output layer, read at half the
     bytes of bfloat16)."""
-    ref = (x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add)
+    def ref(kernels: bool = False):  # the reference path (an int8 weight dequantized only then)
+        return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add,
+                          kernels=kernels)
+
     if not _fusable(x, weight, residual, add, norm_weight, bias):
-        return linear_ref(*ref)
+        return ref()
     t, (n, k) = x.shape[0], weight.shape
     bn = block or block_n(n, k, t)
-    if block is None and MAX_PROGRAMS and t > 1 and triton.cdiv(n, bn) * t > MAX_PROGRAMS:
-        return linear_ref(*ref, kernels=True)
+    if block is None and not _programs_ok(triton.cdiv(n, bn), t):
+        return ref(kernels=True)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else None
     if not _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, None, bn,
                    num_warps):
-        return linear_ref(*ref)
+        return ref()
     return out, res_out
 
 
@@ -140,23 +143,29 @@ def fused_argmax(x, weight, prologue: int = NONE, norm_weight=None, eps: float =
     ``ids`` [N]: ``ids`` at that index), ties to the lowest index: a draft step's output layer and its argmax in
     two kernels, the projection writing each program's best output instead of the logits, ``argmax_pick``
     choosing among them. Elsewhere: ``argmax_lastdim`` over ``fused_linear``."""
-    t, (n, k) = x.shape[0], weight.shape
-    bn = block or block_n(n, k, t)
-    chunks = triton.cdiv(n, bn) if triton is not None else 0
-    if _fusable(x, weight, None, None, norm_weight, None) and (t == 1 or chunks * t <= MAX_PROGRAMS) \
-            and pick_fits(chunks):
-        part_v = torch.empty(t, chunks, dtype=torch.float32, device=x.device)
-        part_i = torch.empty(t, chunks, dtype=torch.int64, device=x.device)
-        if _launch(x, weight, None, prologue, None, norm_weight, eps, None, scale, part_v, None, (part_v, part_i),
-                   bn, num_warps):
-            return argmax_pick(part_v, part_i, ids)
-    logits = fused_linear(x, weight, None, prologue, None, norm_weight, eps, scale=scale)[0]
+    if _fusable(x, weight, None, None, norm_weight, None):
+        t, (n, k) = x.shape[0], weight.shape
+        bn = block or block_n(n, k, t)
+        chunks = triton.cdiv(n, bn)
+        if _programs_ok(chunks, t) and pick_fits(chunks):
+            part_v = torch.empty(t, chunks, dtype=torch.float32, device=x.device)
+            part_i = torch.empty(t, chunks, dtype=torch.int64, device=x.device)
+            if _launch(x, weight, None, prologue, None, norm_weight, eps, None, scale, part_v, None, (part_v, part_i),
+                       bn, num_warps):
+                return argmax_pick(part_v, part_i, ids)
+    logits = fused_linear(x, weight, None, prologue, None, norm_weight, eps, block=block, num_warps=num_warps,
+                          scale=scale)[0]
     return argmax_lastdim(logits, ids)
 
 
 def _fusable(x, weight, *rows) -> bool:
     return (gemv_enabled(x, weight.shape[1]) and weight.stride(1) == 1
             and all(a is None or a.stride(-1) == 1 for a in rows))
+
+
+def _programs_ok(programs_per_row: int, t: int) -> bool:
+    """Whether a step of ``t`` rows stays on these kernels (``MAX_PROGRAMS``; one row always does)."""
+    return t == 1 or not MAX_PROGRAMS or programs_per_row * t <= MAX_PROGRAMS
 
 
 def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, parts, bn, num_warps):

@@ -5,7 +5,7 @@ A program owns ``HB`` pairs of features (d, d + D/2) of one head, the pairs RoPE
 rotate what it computed: q heads go to the rotated-q output, k heads rotated and v heads as they are to the
 cache slot of the token. Each output is rounded as the two kernels round it (the projection to the
 activations' dtype, then the rotation in float32 with cos / sin rounded to that dtype, as the kernel of
-``rope_and_cache``), so results equal theirs exactly.
+``rope_and_cache``); only the projection's sums run in another order than ``fused_linear``'s launch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from specserve.kernels import gemv, kernel_failed
+from specserve.kernels import gemv, kernel_failed, kernel_usable
 
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
 
@@ -39,15 +39,16 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
     half = d // 2
     kx = k // 2 if prologue == EMBED_CAT else k  # the width of x (and of each half's norm)
     rows = (residual, norm_weight, bias) + ((embed[1], embed[2]) if prologue == EMBED_CAT else ())
-    if (os.environ.get("SPECSERVE_QKV_ROPE", "1") == "0" or d % 2 or n != (hq + 2 * hkv) * d
+    if (os.environ.get("SPECSERVE_QKV_ROPE", "1") == "0" or not kernel_usable("qkv_rope") or d % 2 or n != (hq + 2 * hkv) * d
             or (prologue == EMBED_CAT) != (embed is not None) or x.shape[-1] != kx
             or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or not gemv._fusable(x, weight, *rows)):
         return None
     t = x.shape[0]
-    # pairs per program: a power of two dividing D/2, chosen from x's width so one row rounds alike in any step
-    hb = max(1, min(gemv.block_n(n, kx, t) // 2, half & -half))
+    # pairs per program: a power of two dividing D/2, the same for any number of rows (a row then rounds alike in
+    # a decode and a verify step), from x's width (EMBED_CAT: one half of the input row)
+    hb = max(1, min(gemv.block_n(n, kx, 1) // 2, half & -half))
     programs = (hq + 2 * hkv) * (half // hb)
-    if gemv.MAX_PROGRAMS and t > 1 and programs * t > gemv.MAX_PROGRAMS:
+    if not gemv._programs_ok(programs, t):
         return None
     q_out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
