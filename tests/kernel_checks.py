@@ -340,6 +340,16 @@ def _check_gemv(device, dtype):
                 assert (r is None) == (rr is None)
                 if rr is not None:
                     assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
+            # the norm folded into its neighbours (SwiGLU.norm_folds): the o projection writing the stream and the
+            # stream times the norm's weight, the down projection scaling gate and up by 1 / rms(stream)
+            nw_n = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype)
+            sv, sc = gemv.linear_add_scaled(x, w, bias, add, nw_n)
+            _close(sv, linear_ref(x, w, bias, add=add)[0], dtype, f"gemv add+scaled n={n} k={k} t={t}")
+            assert torch.equal(sc, nw_n * sv), f"gemv scaled copy n={n} k={k} t={t}"
+            stream = torch.randn(t, 3 * n + 5, generator=g).to(device, dtype)[:, :n + 5]  # its own width and stride
+            for extra in (None, add):
+                args = (gu, w, bias, gemv.SILU_MUL_RSTD, stream, None, 1e-5, extra)
+                _close(fused_linear(*args)[0], linear_ref(*args)[0], dtype, f"gemv silu-mul/rms n={n} k={k} t={t}")
             # int8 rows with a scale each (a draft head's output layer): as the dequantized weights
             q, sc = gemv.quantize_rows(w)
             assert q.dtype == torch.int8 and (q.float() * sc[:, None] - w.float()).abs().max() <= sc.max() / 2 + 1e-6
@@ -387,8 +397,37 @@ def _check_gemv(device, dtype):
                 gemv.MAX_PROGRAMS = limit
 
 
+@kernel_check
+def check_norm_fold(device, dtype):
+    """The MLP with the norm before it folded (``SwiGLU.from_stream`` after ``linear_add_scaled``) == the MLP
+    after that norm (``SwiGLU.after_norm`` / ``after_norm_sum``), at the default model's widths and a verify
+    step's 5 rows, where the engine folds."""
+    from specserve.models.layers import RMSNorm, SwiGLU
+
+    g = torch.Generator().manual_seed(7)
+    for h, i, a in ((576, 1536, 576), (64, 128, 96)):
+        mlp = SwiGLU(h, i, bias=False)
+        norm = RMSNorm(h, 1e-5)
+        for p in (mlp.gate_up_proj.weight, mlp.down_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+        norm.weight.copy_(1 + 0.1 * torch.randn(h, generator=g))
+        mlp.to(device, dtype)
+        norm.to(device, dtype)
+        w_o = (torch.randn(h, a, generator=g) / a ** 0.5).to(device, dtype)
+        for t in (1, 5):
+            attn = torch.randn(t, a, generator=g).to(device, dtype)
+            stream = torch.randn(t, h, generator=g).to(device, dtype)
+            s, scaled = gemv.linear_add_scaled(attn, w_o, None, stream, norm.weight)
+            o = fused_linear(attn, w_o)[0]
+            want, want_s = mlp.after_norm(norm, o, stream)
+            _close(s, want_s, dtype, f"norm fold: stream h={h} t={t}")
+            _close(mlp.from_stream(norm, s, scaled), want, dtype, f"norm fold: mlp h={h} t={t}")
+            _close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream), dtype,
+                   f"norm fold: mlp + stream h={h} t={t}")
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv, check_qkv_rope]
+          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv, check_qkv_rope, check_norm_fold]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

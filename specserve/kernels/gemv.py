@@ -8,7 +8,8 @@ of loads, no loop over K), computes the row's prologue — nothing, (residual ad
 — and writes ``BLOCK_N`` outputs. The rows of a step run side by side (their weight reads after the first come
 from L2), and each row's arithmetic is the same whatever the number of rows, so a verify step of 1 + D
 tokens would round every token as a decode step does; but the launch is chosen per row count (``block_n``),
-and a step of more than ``MAX_PROGRAMS`` programs runs the prologue's kernel and cuBLAS, so verify rows may
+and a step of more than ``MAX_PROGRAMS`` programs runs cuBLAS (after the prologue's kernel, or with the norm
+folded into its neighbours, ``linear_add_scaled`` and SILU_MUL_RSTD), so verify rows may
 round unlike decode rows, as they did with cuBLAS alone (bfloat16 outputs with and without speculation can
 part at near-ties; float32 on the CPU stays exact). Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
@@ -37,12 +38,15 @@ except ImportError:
 MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights better)
 MAX_K = 2048  # widest reduced dimension loaded in one piece
 TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
-# More programs than this (token rows x feature blocks) run as the prologue's kernel + cuBLAS instead: on the
+# More programs than this (token rows x feature blocks) run on cuBLAS instead (see linear_ref): on the
 # H200 the gate/up projection of a 1 + 4-token verify step (1,920 programs) took 7.4-8.8 µs in every launch
 # tried, cuBLAS and the norm kernel 6.0 (docs/BENCHMARKS.md, tenth session); 1,024 keeps every other
 # projection of the default model's verify steps (at most 720 programs) on these kernels.
 MAX_PROGRAMS = int(os.environ.get("SPECSERVE_GEMV_PROGRAMS", "1024"))  # 0: no limit (measurements)
-NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues
+NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues (4: qkv_rope's EMBED_CAT)
+# SiLU(gate) * up of a gate/up projection run on the stream s times the norm's weight (``norm_folds``):
+# gate and up are first scaled by the row's 1 / rms(s), the ``residual`` argument holding s [T, H]
+SILU_MUL_RSTD = 5
 # Issue a program's weight loads before its prologue (the input row, its norm): SPECSERVE_GEMV_WFIRST=0 issues them
 # after it, as before (measurements: docs/BENCHMARKS.md, eleventh session)
 WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
@@ -71,12 +75,17 @@ def block_n(n: int, k: int, t: int = 1) -> int:
 
 def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
                add=None, kernels: bool = False):
-    """x [T, K] (SILU_MUL: [T, 2K]) -> (prologue(x) @ W.T + b (+ add) [T, N], new residual or None). ``kernels``:
-    the prologue through its own kernel (``rms_norm``, ``silu_and_mul``: Triton on the GPU) instead of PyTorch
-    ops, then cuBLAS, for steps with too many programs for ``fused_linear``; such rows sum in cuBLAS's order,
-    so they round unlike a one-row step's."""
+    """x [T, K] (SILU_MUL, SILU_MUL_RSTD: [T, 2K]) -> (prologue(x) @ W.T + b (+ add) [T, N], new residual or None).
+    SILU_MUL_RSTD: ``residual`` is the stream s [T, H] whose 1 / rms (with ``eps``) scales x first (PyTorch ops
+    either way). ``kernels``: the prologue through its own kernel (``rms_norm``, ``silu_and_mul``: Triton on the
+    GPU) instead of PyTorch ops, then cuBLAS, for steps with too many programs for ``fused_linear``; such rows
+    sum in cuBLAS's order, so they round unlike a one-row step's."""
     norm, silu = (rms_norm, silu_and_mul) if kernels else (rms_norm_ref, silu_and_mul_ref)
     new_res = None
+    if prologue == SILU_MUL_RSTD:
+        s32 = residual.float()
+        x = (x.float() * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        prologue = SILU_MUL
     if prologue == SILU_MUL:
         x = silu(x)
     elif prologue == NORM:
@@ -137,6 +146,33 @@ def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm
     return out, res_out
 
 
+def linear_add_scaled(x, weight, bias, add, norm_weight, block: int | None = None, num_warps: int = 4):
+    """x [T, K] -> (s = x @ W.T + b + add [T, N], s * norm_weight [T, N]), the second rounded as ``rms_norm_ref``
+    rounds its last product: a layer's o projection writing the new residual stream and the input of a GEMM
+    that a following RMSNorm folds into (``SwiGLU.from_stream``). One kernel where ``fused_linear`` would be."""
+    def ref():
+        out = linear_ref(x, weight, bias, add=add)[0]
+        return out, (norm_weight * out).to(out.dtype)
+
+    if not _fusable(x, weight, add, norm_weight, bias):
+        return ref()
+    t, (n, k) = x.shape[0], weight.shape
+    bn = block or block_n(n, k, t)
+    if block is None and not _programs_ok(triton.cdiv(n, bn), t):
+        return ref()
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    scaled = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if not _launch(x, weight, bias, NONE, None, None, 0.0, add, None, out, None, None, bn, num_warps,
+                   (scaled, norm_weight)):
+        return ref()
+    return out, scaled
+
+
+def takes_kernel(n: int, k: int, t: int) -> bool:
+    """Whether a ``t``-row step through an [n, k] weight stays on the few-row kernel (``MAX_PROGRAMS``)."""
+    return k <= MAX_K and _programs_ok(triton.cdiv(n, block_n(n, k, t)), t)
+
+
 def fused_argmax(x, weight, prologue: int = NONE, norm_weight=None, eps: float = 0.0, scale=None, ids=None,
                  block: int | None = None, num_warps: int = 4):
     """x [T, K] -> argmax over ``fused_linear(x, weight, None, prologue, ...)``'s outputs per row [T] int64 (with
@@ -168,19 +204,23 @@ def _programs_ok(programs_per_row: int, t: int) -> bool:
     return t == 1 or not MAX_PROGRAMS or programs_per_row * t <= MAX_PROGRAMS
 
 
-def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, parts, bn, num_warps):
-    """One ``_gemv_kernel`` launch; False where it did not build here (first launch; never inside a capture)."""
+def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, parts, bn, num_warps,
+            out2=None):
+    """One ``_gemv_kernel`` launch; False where it did not build here (first launch; never inside a capture).
+    ``out2`` = (tensor [T, N], weight [N]): also store the outputs times that weight."""
     (t, _), (n, k) = x.shape, weight.shape
     k1, k2 = k_blocks(k)
+    hn = residual.shape[-1] if prologue == SILU_MUL_RSTD else 1  # the stream's width (its 1 / rms)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
-            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), K=k, PROLOGUE=prologue,
-            HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None, BLOCK_N=bn, K1=k1,
-            K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, num_warps=num_warps)
+            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)), K=k,
+            PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
+            BLOCK_N=bn, K1=k1, K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
+            HNP=triton.next_power_of_2(hn), num_warps=num_warps)
     except Exception as e:
         kernel_failed("gemv", e)
         return False
@@ -189,18 +229,21 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, PV, PI,
+    def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, PV, PI, OUT2, NW2,
                      K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                      HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                     WFIRST: tl.constexpr, ARGMAX: tl.constexpr):
+                     WFIRST: tl.constexpr, ARGMAX: tl.constexpr, HAS_OUT2: tl.constexpr, HN: tl.constexpr,
+                     HNP: tl.constexpr):
         """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two. ARGMAX: each
-        program also writes the largest of its outputs (as rounded) and its column to PV / PI [T, programs]."""
+        program also writes the largest of its outputs (as rounded) and its column to PV / PI [T, programs].
+        HAS_OUT2: the outputs times NW2 [N] also go to OUT2 [T, N]. HN (HNP: its power of two): the width of
+        RES, the stream, for SILU_MUL_RSTD."""
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
         acc = _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K, PROLOGUE, HAS_SCALE,
-                        K1, K2, WFIRST)  # [BLOCK_N]
+                        K1, K2, WFIRST, HN, HNP)  # [BLOCK_N]
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
         if HAS_ADD:
@@ -208,6 +251,9 @@ if triton is not None:
         out = acc.to(X.dtype.element_ty)  # the outputs' dtype
         if not ARGMAX:
             tl.store(OUT + t * N + cols, out, mask=nm)
+            if HAS_OUT2:
+                nw2 = tl.load(NW2 + cols, mask=nm, other=0.0)
+                tl.store(OUT2 + t * N + cols, (nw2.to(tl.float32) * out.to(tl.float32)).to(out.dtype), mask=nm)
         else:  # ties go to the lowest column, as torch.argmax's
             best, at = tl.max(tl.where(nm, out.to(tl.float32), float("-inf")), axis=0, return_indices=True,
                               return_indices_tie_break_left=True)
@@ -217,12 +263,12 @@ if triton is not None:
     @triton.jit
     def _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K: tl.constexpr,
                   PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                  WFIRST: tl.constexpr):
+                  WFIRST: tl.constexpr, HN: tl.constexpr, HNP: tl.constexpr):
         """prologue(row t of X) . W[cols] (* SCALE[cols]) in float32 [len(cols)]. WFIRST issues the weight loads
         before the prologue (whose reductions wait on barriers), so their latency overlaps it."""
         if WFIRST:
             w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
-        a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2)
+        a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2, HN, HNP)
         if not WFIRST:
             w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
         acc = _gemv_dot(w1, w2, a1, a2, K2)
@@ -245,17 +291,22 @@ if triton is not None:
 
     @triton.jit
     def _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K: tl.constexpr, PROLOGUE: tl.constexpr,
-                       K1: tl.constexpr, K2: tl.constexpr):
+                       K1: tl.constexpr, K2: tl.constexpr, HN: tl.constexpr, HNP: tl.constexpr):
         """Row t's input after the prologue, in float32: ([K1], [K2]) (the second is the first when K2 = 0)."""
         row, res, res_out = X + t * s_x, RES + t * s_r, RES_OUT + t * K
+        rstd = 1.0
+        if PROLOGUE == 5:  # SILU_MUL_RSTD: 1 / rms of the stream row (RES, HN wide)
+            hs = tl.arange(0, HNP)
+            sv = tl.load(res + hs, mask=hs < HN, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(sv * sv, axis=0) / HN + eps)
         ks1 = tl.arange(0, K1)
         km1 = ks1 < K
-        x1 = _gemv_input(row, res, res_out, ks1, km1, pid, K, PROLOGUE)  # [K1]
+        x1 = _gemv_input(row, res, res_out, ks1, km1, pid, K, PROLOGUE, rstd)  # [K1]
         x2 = x1
         if K2 > 0:
             ks2 = K1 + tl.arange(0, K2)
             km2 = ks2 < K
-            x2 = _gemv_input(row, res, res_out, ks2, km2, pid, K, PROLOGUE)  # [K2]
+            x2 = _gemv_input(row, res, res_out, ks2, km2, pid, K, PROLOGUE, rstd)  # [K2]
         if PROLOGUE == 1 or PROLOGUE == 2:  # RMSNorm over the whole row
             ss = tl.sum(x1.to(tl.float32) * x1.to(tl.float32), axis=0)
             if K2 > 0:
@@ -278,11 +329,12 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gemv_input(row, res, res_out, ks, km, pid, K: tl.constexpr, PROLOGUE: tl.constexpr):
-        """Columns ``ks`` of a row's input: SiLU(gate) * up in float32 (rounded as ``silu_and_mul_ref``), or
-        x (+ residual, stored once per row by the first program) in the input dtype."""
-        if PROLOGUE == 3:
-            x = _silu_mul_input(row, ks, km, K)
+    def _gemv_input(row, res, res_out, ks, km, pid, K: tl.constexpr, PROLOGUE: tl.constexpr, rstd):
+        """Columns ``ks`` of a row's input: SiLU(gate) * up in float32 (rounded as ``silu_and_mul_ref``; SILU_MUL_RSTD:
+        gate and up times ``rstd`` first, each rounded to the input dtype), or x (+ residual, stored once per row by
+        the first program) in the input dtype."""
+        if PROLOGUE == 3 or PROLOGUE == 5:
+            x = _silu_mul_input(row, ks, km, K, rstd, PROLOGUE == 5)
         else:
             x = tl.load(row + ks, mask=km, other=0.0)
             if PROLOGUE == 2:
@@ -292,10 +344,14 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _silu_mul_input(row, ks, km, K: tl.constexpr):
+    def _silu_mul_input(row, ks, km, K: tl.constexpr, rstd, SCALED: tl.constexpr):
         """SiLU(gate) rounded to the input dtype, times up (in that dtype), in float32."""
-        g = tl.load(row + ks, mask=km, other=0.0).to(tl.float32)
+        g = tl.load(row + ks, mask=km, other=0.0)
         u = tl.load(row + K + ks, mask=km, other=0.0)
+        if SCALED:
+            g = (g.to(tl.float32) * rstd).to(u.dtype)
+            u = (u.to(tl.float32) * rstd).to(u.dtype)
+        g = g.to(tl.float32)
         return ((g / (1.0 + tl.exp(-g))).to(u.dtype) * u).to(tl.float32)
 
     @triton.jit

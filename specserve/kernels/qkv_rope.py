@@ -90,8 +90,8 @@ if triton is not None:
                 v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
                 z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
             tok = tl.load(IDS + t).to(tl.int64)
-            e1, e2 = _gemv_prologue(E, RES, RES_OUT, NWE, tok, eps, s_e, 0, pid, K, 1, K1, K2)
-            a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, 0, pid, K, 1, K1, K2)
+            e1, e2 = _gemv_prologue(E, RES, RES_OUT, NWE, tok, eps, s_e, 0, pid, K, 1, K1, K2, 1, 1)
+            a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, 0, pid, K, 1, K1, K2, 1, 1)
             if not WFIRST:
                 w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
                 u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
@@ -103,7 +103,7 @@ if triton is not None:
             if WFIRST:
                 w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
                 u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
-            a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2)
+            a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2, 1, 1)
             if not WFIRST:
                 w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
                 u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)

@@ -11,7 +11,8 @@ from torch import nn
 from specserve.config import RopeScaling
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.argmax import argmax_lastdim
-from specserve.kernels.gemv import ADD_NORM, NORM, SILU_MUL, fused_argmax, fused_linear, gemv_enabled
+from specserve.kernels.gemv import (ADD_NORM, NORM, SILU_MUL, SILU_MUL_RSTD, fused_argmax, fused_linear, gemv_enabled,
+                                    takes_kernel)
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -151,6 +152,26 @@ class SwiGLU(nn.Module):
             return self(h, residual)
         gu, residual = self._normed_gate_up(norm, x, residual)
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL, add=residual)[0]
+
+    def norm_folds(self, x: torch.Tensor) -> bool:
+        """Whether a few-row step with input x [T, H] has too many rows for the gate/up kernel (cuBLAS runs it,
+        a verify step's 1 + D rows), so the norm before it folds into its neighbours instead of running as a
+        kernel of its own: the o projection writes the stream s and s * the norm's weight, the GEMM takes the
+        latter, and the down projection scales gate and up by 1 / rms(s) (``from_stream``). Not in float16: the
+        GEMM's outputs are rms(s) times gate/up's, which a large stream could take past its range.
+        SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every few-row step (tests: a tiny model's steps
+        fit the kernel)."""
+        gu, mode = self.gate_up_proj, os.environ.get("SPECSERVE_NORM_FOLD", "1")
+        return (mode != "0" and x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
+                and (mode == "always" or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
+
+    def from_stream(self, norm: RMSNorm, s: torch.Tensor, scaled: torch.Tensor, add_stream: bool = False):
+        """``self(norm(s))`` (+ s with ``add_stream``) where ``norm_folds``: s [T, H] is the stream, ``scaled``
+        s * norm.weight [T, H]; norm(s) = scaled / rms(s) row by row, so gate_up(norm(s)) = gate_up(scaled) /
+        rms(s), applied in the down projection's prologue. Two kernels for a norm, a GEMM and the down one."""
+        gu = nn.functional.linear(scaled, self.gate_up_proj.weight)  # [T, 2I], rms(s) times gate/up
+        return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL_RSTD, s, None, norm.eps,
+                            add=s if add_stream else None)[0]
 
     def _normed_gate_up(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
         """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual)."""

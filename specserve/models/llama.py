@@ -15,7 +15,7 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
-from specserve.kernels.gemv import ADD_NORM, NONE, NORM, fused_linear
+from specserve.kernels.gemv import ADD_NORM, NONE, NORM, fused_linear, linear_add_scaled
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
@@ -42,27 +42,34 @@ class Attention(nn.Module):
         return self.normed(x, positions, meta, k_cache, v_cache)[0]
 
     def normed(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None,
-               embed=None):
+               embed=None, fold=None, stream=None):
         """``forward`` of prologue(x) -> (output, x + residual for ADD_NORM, else None). NORM / ADD_NORM (the
         few-row GPU path): x normed by ``norm`` (after adding ``residual``); EMBED_CAT, ``embed`` = (ids [T],
         table [V, H], embedding norm): cat(embedding norm(table[ids]), norm(x)), a draft head's input. Where the
-        kernel applies, the prologue, RoPE and the KV write all run inside the qkv projection."""
+        kernel applies, the prologue, RoPE and the KV write all run inside the qkv projection. ``fold`` (the
+        next RMSNorm, ``SwiGLU.norm_folds``): the output is (s, s * fold.weight), s = the o projection + the
+        stream (``stream``, else x + residual, else x)."""
         nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
+        res = None
         if isinstance(meta, AttentionMetadata) and self.q_norm is None:
             fused = qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps, positions,
                                    self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache, meta.slot_mapping,
                                    self.hq, self.hkv, self.d, None if embed is None else (*embed[:2], embed[2].weight))
             if fused is not None:
-                return self._attend(fused[0], meta, k_cache, v_cache), fused[1]
+                q, res = fused
+                return self._attend(q, meta, k_cache, v_cache, *_folded(fold, stream, res, x)), res
+        x_in = x
         if prologue == EMBED_CAT:
             x, prologue = embed_norm_cat(embed[0], embed[1], embed[2].weight, x, nw, eps), NONE
         if prologue == NONE:
-            return self.from_qkv(linear(self.qkv_proj, x), positions, meta, k_cache, v_cache), None
-        qkv, res = fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps)
-        return self.from_qkv(qkv, positions, meta, k_cache, v_cache), res
+            qkv = linear(self.qkv_proj, x)
+        else:
+            qkv, res = fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps)
+        return self.from_qkv(qkv, positions, meta, k_cache, v_cache, *_folded(fold, stream, res, x_in)), res
 
-    def from_qkv(self, qkv, positions, meta, k_cache, v_cache):
-        """``forward`` after the qkv projection: qkv [..., (Hq + 2 Hkv) * D] -> [..., H]."""
+    def from_qkv(self, qkv, positions, meta, k_cache, v_cache, fold=None, stream=None):
+        """``forward`` after the qkv projection: qkv [..., (Hq + 2 Hkv) * D] -> [..., H]; with ``fold`` and
+        ``stream`` [..., H]: (o + stream, (o + stream) * fold.weight), as ``_attend``."""
         lead = qkv.shape[:-1]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = q.view(*lead, self.hq, self.d)
@@ -74,15 +81,22 @@ class Attention(nn.Module):
             # RoPE on q and k, and k/v into the cache at the step's slots (one kernel on CUDA)
             q = rope_and_cache(positions, q, k, v, self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache,
                                meta.slot_mapping)
-            return self._attend(q, meta, k_cache, v_cache)
+            return self._attend(q, meta, k_cache, v_cache, fold, stream)
         q, k = self.rope(positions, q, k)
         out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
-        return linear(self.o_proj, out.reshape(*lead, self.hq * self.d))
+        o = linear(self.o_proj, out.reshape(*lead, self.hq * self.d))
+        if fold is None:
+            return o
+        s = o + stream
+        return s, (fold.weight * s).to(s.dtype)
 
-    def _attend(self, q, meta, k_cache, v_cache):
-        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H]."""
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return linear(self.o_proj, out.reshape(q.shape[0], self.hq * self.d))
+    def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None):
+        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H]; with ``fold``
+        (an RMSNorm) and ``stream`` [T, H]: (o + stream, (o + stream) * fold.weight)."""
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(q.shape[0], self.hq * self.d)
+        if fold is not None:
+            return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
+        return linear(self.o_proj, out)
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +110,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, meta, k_cache, v_cache):
         """Returns (layer output before the residual add, residual); their sum is the stream."""
         if self.mlp.few_row_path(x):  # few rows on the GPU: the input norm runs inside the qkv projection
-            h, res = self.self_attn.normed(x, positions, meta, k_cache, v_cache,
-                                           NORM if residual is None else ADD_NORM, residual, self.input_layernorm)
-            return self.mlp.after_norm(self.post_attention_layernorm, h, x if residual is None else res)
+            post = self.post_attention_layernorm
+            fold = post if self.mlp.norm_folds(x) else None
+            h, res = self.self_attn.normed(x, positions, meta, k_cache, v_cache, NORM if residual is None else ADD_NORM,
+                                           residual, self.input_layernorm, fold=fold)
+            if fold is not None:  # h = (the stream after attention, it times post's weight)
+                return self.mlp.from_stream(post, *h), h[0]
+            return self.mlp.after_norm(post, h, x if residual is None else res)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -231,6 +249,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"{source}: missing tensor {missing[0]!r}{more}")
+
+
+def _folded(fold, stream, res, x) -> tuple:
+    """``_attend``'s (fold, stream) for ``Attention.normed``: the stream is the caller's, else x + residual, else x."""
+    if fold is None:
+        return None, None
+    return fold, stream if stream is not None else (res if res is not None else x)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str, source: str) -> None:

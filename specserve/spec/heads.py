@@ -185,9 +185,13 @@ class Eagle3Layer(nn.Module):
         (pre final norm)."""
         # the input [N, 2H], cat(input_layernorm(embed), hidden_norm(hidden)), built inside the qkv projection
         # where its kernel applies
+        post = self.post_attention_layernorm
+        fold = post if self.mlp.norm_folds(hidden) else None  # a step of many rows: see SwiGLU.norm_folds
         x, _ = self.self_attn.normed(hidden, positions, meta, k_cache, v_cache, EMBED_CAT, None, self.hidden_norm,
-                                     (ids, table, self.input_layernorm))
-        return self.mlp.after_norm_sum(self.post_attention_layernorm, x, hidden)
+                                     (ids, table, self.input_layernorm), fold=fold, stream=hidden)
+        if fold is not None:
+            return self.mlp.from_stream(post, *x, add_stream=True)
+        return self.mlp.after_norm_sum(post, x, hidden)
 
 
 class Eagle3Head(DraftHead):
