@@ -1,7 +1,11 @@
-"""A draft step's output layer on the H200: norm + the default model's lm_head (49,152 x 576) for one row, as
-the few-row kernel in bfloat16 and in int8 rows (``quantize_rows``) over a sweep of launches, against the norm
-kernel + cuBLAS. Four calls per graph on the same weights, as a draft loop of D = 4 makes them (an int8 table
-of 28 MB can stay in the 50 MB L2 between them, a bfloat16 one of 57 MB cannot).
+"""A draft step's output layer on the H200: norm + the default model's lm_head (49,152 x 576, and its first
+32,768 rows as a restricted draft vocabulary would read) for one row with the argmax inside (``fused_argmax``: the
+projection writes each program's best logit, a second kernel picks), as int8 rows (``quantize_rows``), over a
+sweep of launches, against the norm kernel + cuBLAS + argmax. Four calls per graph on the same weights, as a
+draft loop of D = 4 makes them (an int8 table of 28 MB can stay in the 50 MB L2 between them). ``prenormed``:
+the kernel without its norm prologue (the norm's share of the time). (The twelfth session also timed the int8
+rows stored as uint8 q + 128, converted by integer and float adds instead of int-to-float instructions: no
+faster; docs/BENCHMARKS.md.)
 
     python benchmarks/bench_lm_head.py [--json FILE]     (CUDA)
 """
@@ -15,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench.steps import graph_us
-from specserve.kernels.gemv import NORM, block_n, fused_linear, quantize_rows
+from specserve.kernels.argmax import argmax_lastdim
+from specserve.kernels.gemv import NONE, NORM, fused_argmax, quantize_rows
 from specserve.kernels.norm import rms_norm
 from specserve.models.layers import _LM_LAUNCH
 
@@ -31,25 +36,29 @@ def main() -> None:
     w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     nw = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).to(torch.bfloat16)
     x = torch.randn(1, H, device="cuda", generator=g).to(torch.bfloat16)
-    q, scale = quantize_rows(w)
-    # the engine's launches: bfloat16 output layers take block_n's, int8 ones _LM_LAUNCH
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-               default={"bf16": f"bn{block_n(V, H, 1)}/w4",
-                        "int8": f"bn{_LM_LAUNCH['block']}/w{_LM_LAUNCH['num_warps']}"})
-    res["cublas_plus_norm_us"] = graph_us(lambda: [F.linear(rms_norm(x, nw, EPS), w) for _ in range(CALLS)], CALLS)
-    print(f"norm kernel + cuBLAS: {res['cublas_plus_norm_us']:.2f} µs per call", flush=True)
-    for name, weight, sc in (("bf16", w, None), ("int8", q, scale)):
+    default = f"bn{_LM_LAUNCH['block']}/w{_LM_LAUNCH['num_warps']}"
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, default={"int8": default})
+    res["cublas_plus_norm_us"] = graph_us(
+        lambda: [argmax_lastdim(F.linear(rms_norm(x, nw, EPS), w)) for _ in range(CALLS)], CALLS)
+    print(f"norm kernel + cuBLAS + argmax: {res['cublas_plus_norm_us']:.2f} µs per call", flush=True)
+    q8, scale = quantize_rows(w)
+    for rows in (V, 32768):  # the whole vocabulary, and a draft vocabulary of 32,768 of its rows
         sweep = {}
-        for bn in (4, 8, 16, 32):
+        for bn in (16, 32, 64, 128):
             for warps in (4, 8):
-                def fn(bn=bn, warps=warps):
-                    return [fused_linear(x, weight, None, NORM, norm_weight=nw, eps=EPS, block=bn, num_warps=warps,
-                                         scale=sc) for _ in range(CALLS)]
+                def fn(rows=rows, bn=bn, warps=warps):
+                    return [fused_argmax(x, q8[:rows], NORM, nw, EPS, scale=scale[:rows], block=bn, num_warps=warps)
+                            for _ in range(CALLS)]
                 sweep[f"bn{bn}/w{warps}"] = round(graph_us(fn, CALLS), 2)
         best = min(sweep, key=sweep.get)
-        res[name] = dict(sweep=sweep, best=best)
-        d = res["default"][name]
-        print(f"{name}: default {d} {sweep.get(d)} µs, best {best} {sweep[best]} µs; all: {sweep}", flush=True)
+        key = "int8" if rows == V else f"int8-{rows}"
+        res[key] = dict(sweep=sweep, best=best)
+        print(f"{key}: default {default} {sweep.get(default)} µs, best {best} {sweep[best]} µs; all: {sweep}",
+              flush=True)
+    xn = rms_norm(x, nw, EPS)
+    res["int8_prenormed_us"] = round(graph_us(lambda: [fused_argmax(xn, q8, NONE, scale=scale, **_LM_LAUNCH)
+                                                       for _ in range(CALLS)], CALLS), 2)
+    print(f"int8 without the norm prologue ({default}): {res['int8_prenormed_us']} µs", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

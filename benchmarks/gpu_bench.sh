@@ -14,7 +14,7 @@
 # (batch 1 only, 8 prompts, its whole log in $OUT/scale1.log; about 100 s); attention 230;
 # spec16 180; hf4 200; profile 150; kernels 300; sweep 240; host 150; cprofile 150; humaneval 150 (needs
 # .traindata carried); gemv 150 and gemvsteps 2 x 120 (no model file needed: random weights); upload 2 x 150; uploadr (random weights) 2 x 100;
-# graphtests 120 (random tiny models); gemvkernels 200 (the few-row kernels' GPU checks);
+# graphtests 120 (random tiny models); gemvkernels 420 (the few-row kernels' GPU checks, nine tests: 300 s ran out after five with a cold compile cache; the whole output in $OUT/gemvkernels.txt);
 # humaneval writes humaneval-<head folder name> (ROUNDS=N: the engines alternately N times, 40 + 100 N s);
 # hfc 300; diag (random weights: host profile with device events, graph-replay kernel profiles) ~200;
 # host2 (random weights: host profiles one engine per process, waits spinning / blocking, cProfile) ~250;
@@ -23,7 +23,7 @@
 # tune (~250: the int8 output layer's launch sweep and K split or whole, chosen for later stages and calls on
 # the machine through /root/choice.env); gemvab (bench_gemv.py with the weights loaded after / before the
 # prologue) 2 x 100; ab (random weights, step replays; each of AB_VARS, default SPECSERVE_GEMV_WFIRST
-# SPECSERVE_QKV_ROPE, set 0 then 1, the others at their defaults) 2 x 100 per variable; lmhead (a draft step's output layer, bf16 / int8 launch sweep, and the speculative step's graph profile) ~150.
+# SPECSERVE_QKV_ROPE, set to each of AB_VALS, default 0 then 1, the others at their defaults) 2 x 100 per variable; lmhead (a draft step's output layer: int8 launch sweep over the whole vocabulary and 32,768 rows, and the speculative step's graph profile) ~200.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -71,12 +71,12 @@ for st in $stages; do
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
     gemv) timeout 150 python3 benchmarks/bench_gemv.py --json $OUT/gemv.json 2>&1 | grep -v Warning | tail -16 ;;
-    gemvkernels) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
-             -k "check_gemv or check_qkv_rope or check_argmax" 2>&1 | tail -4 ;;
+    gemvkernels) timeout 420 python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider tests/test_kernels.py \
+             -k "check_gemv or check_qkv_rope or check_argmax" > $OUT/gemvkernels.txt 2>&1; tail -c 2500 $OUT/gemvkernels.txt ;;
     gemvab) for w in 0 1; do echo "--- SPECSERVE_GEMV_WFIRST=$w"
              SPECSERVE_GEMV_WFIRST=$w timeout 100 python3 benchmarks/bench_gemv.py --json $OUT/gemv-wfirst-$w.json 2>&1 \
              | grep -v Warning | tail -12; done ;;
-    ab) for var in ${AB_VARS:-SPECSERVE_GEMV_WFIRST SPECSERVE_QKV_ROPE}; do for v in 0 1; do echo "--- $var=$v"
+    ab) for var in ${AB_VARS:-SPECSERVE_GEMV_WFIRST SPECSERVE_QKV_ROPE}; do for v in ${AB_VALS:-0 1}; do echo "--- $var=$v"
              env $var=$v timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/ab-$var-$v 2>&1 | quiet | tail -10; done; done ;;
@@ -109,7 +109,7 @@ for st in $stages; do
              SPECSERVE_DRAFT_INT8=$q timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/int8-$q 2>&1 | quiet | tail -10; done ;;
-    lmhead) timeout 120 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -6
+    lmhead) timeout 240 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -8
            timeout 90 python3 benchmarks/profile_step.py --model random:smollm2-135m --draft random --forced-acceptance \
              ${FORCED:-2.58} --graphs --context 256 --top 45 2>&1 | quiet | tail -48 ;;
     tune) timeout 100 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -5
