@@ -84,16 +84,16 @@ class Attention(nn.Module):
             return self._attend(q, meta, k_cache, v_cache, fold, stream)
         q, k = self.rope(positions, q, k)
         out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
-        o = linear(self.o_proj, out.reshape(*lead, self.hq * self.d))
-        if fold is None:
-            return o
-        s = o + stream
-        return s, (fold.weight * s).to(s.dtype)
+        return self._o_proj(out.reshape(*lead, self.hq * self.d), fold, stream)
 
     def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None):
-        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H]; with ``fold``
-        (an RMSNorm) and ``stream`` [T, H]: (o + stream, (o + stream) * fold.weight)."""
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(q.shape[0], self.hq * self.d)
+        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self._o_proj(out.reshape(q.shape[0], self.hq * self.d), fold, stream)
+
+    def _o_proj(self, out, fold=None, stream=None):
+        """out [..., Hq * D] -> the o projection [..., H]; with ``fold`` (an RMSNorm) and ``stream`` [..., H]:
+        (o + stream, (o + stream) * fold.weight)."""
         if fold is not None:
             return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
         return linear(self.o_proj, out)
