@@ -34,9 +34,10 @@ def _arg_type(value, half: str) -> str:
     raise TypeError(f"cannot type a kernel argument of {type(value).__name__}")
 
 
-def record() -> list[dict]:
-    """Wrap the interpreter's launch so that each distinct kernel signature it runs is recorded (float16
-    tensors also as bfloat16, which the interpreter cannot run); returns the list that collects them."""
+def record(halves: tuple[str, ...] = ("fp16", "bf16")) -> list[dict]:
+    """Wrap the interpreter's launch so that each distinct kernel signature it runs is recorded, float16
+    tensors as each of ``halves`` (bfloat16 is what the interpreter cannot run); returns the list that
+    collects them."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -56,9 +57,8 @@ def record() -> list[dict]:
         # constexpr parameters, and None arguments (Triton specializes those as constants too)
         consts = {n: bound[n] for n in params if n in params_of[self.fn] or bound.get(n, 0) is None}
         options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-        halves = ("fp16", "bf16") if any(isinstance(v, torch.Tensor) and v.dtype == torch.float16
-                                          for v in bound.values()) else ("fp16",)
-        for half in halves:
+        half_run = any(isinstance(v, torch.Tensor) and v.dtype == torch.float16 for v in bound.values())
+        for half in halves if half_run else halves[:1]:
             entry = dict(module=self.fn.__module__, name=self.fn.__name__, consts=consts, options=options,
                          signature={n: "constexpr" if n in consts else _arg_type(bound[n], half) for n in params})
             if entry not in seen:

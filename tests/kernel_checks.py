@@ -24,6 +24,10 @@ from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# SPECSERVE_KERNEL_CHECKS=quick: the CPU suite's run through Triton's interpreter, which costs about a second per
+# few kernel programs (the full checks take about 40 minutes on 2 cores). Every kernel and each of its branches
+# still runs, on fewer heads, features and table positions; the GPU and a full interpreter run take every shape.
+QUICK = os.environ.get("SPECSERVE_KERNEL_CHECKS") == "quick"
 
 
 def kernel_check(fn):
@@ -95,7 +99,7 @@ def check_qkv_rope(device, dtype):
     weights loaded first and after the prologue; a row of a 5-row step exactly as the same row in steps of 1
     and 2 rows (a verify row rounds as a decode row)."""
     g = torch.Generator().manual_seed(12)
-    hq, hkv, d, blocks, bs, k = 9, 3, 64, 5, 16, 576
+    hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
     n = (hq + 2 * hkv) * d
     w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
     bias = torch.randn(n, generator=g).to(device, dtype)
@@ -153,13 +157,13 @@ def check_qkv_rope(device, dtype):
 @kernel_check
 def check_attention(device, dtype):
     g = torch.Generator().manual_seed(3)
-    for hq, hkv, d in ((9, 3, 64), (32, 8, 128), (4, 4, 32)):
+    for hq, hkv, d in ((9, 3, 64), (4, 4, 32)) if QUICK else ((9, 3, 64), (32, 8, 128), (4, 4, 32)):
         n_blocks, bs = 64, 16
         kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
         vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
         # rows: a verify row (5 queries), a decode row, a long prefill chunk, a padded row, a row past one split
-        lens = [(37, 5), (16, 1), (300, 70), (3, 2), (610, 5)]
-        m = 40
+        lens = [(37, 5), (16, 1), (200, 24), (3, 2), (300, 5)] if QUICK else [(37, 5), (16, 1), (300, 70), (3, 2), (610, 5)]
+        m = 20 if QUICK else 40
         tables = torch.zeros(len(lens), m, dtype=torch.int64)
         qw = max(nq for _, nq in lens)
         qidx = torch.full((len(lens), qw), 0, dtype=torch.int64)
@@ -179,17 +183,16 @@ def check_attention(device, dtype):
         q = torch.randn(t, hq, d, generator=g).to(device, dtype)
         args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
         ref = paged_attention_sdpa(*args)
-        # 640 table positions: several splits with partial sums and the merge kernel; forced to one split, the
+        # 640 (quick: 320) table positions: several splits with partial sums and the merge kernel; forced to one split, the
         # split kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
         _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
         _close(paged_attention_triton(*args, num_splits=1), ref, dtype, f"paged attention, 1 split {hq}/{hkv}/{d}")
         # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)
         if dtype == (torch.bfloat16 if device == "cuda" else torch.float32):
             _close(paged_attention_flex(*args), ref, dtype, f"flex attention {hq}/{hkv}/{d}")
-        for window in (8, 100):
-            for ns in (None, 1):
-                _close(paged_attention_triton(*args, sliding_window=window, num_splits=ns),
-                       paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}, {ns}")
+        for window, ns in ((8, 1), (100, None)) if QUICK else ((8, None), (8, 1), (100, None), (100, 1)):
+            _close(paged_attention_triton(*args, sliding_window=window, num_splits=ns),
+                   paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}, {ns}")
 
 
 @kernel_check
@@ -301,7 +304,7 @@ def check_gemv(device, dtype):
     # K loaded in one block or split in two (576 = 512 + 64); the weights loaded after the prologue or first
     old, wfirst = os.environ.get("SPECSERVE_GEMV_SPLITK"), gemv.WFIRST
     try:
-        for split, first in (("0", False), ("0", True), ("1", False), ("1", True)):
+        for split, first in (("0", False), ("1", True)) if QUICK else (("0", False), ("0", True), ("1", False), ("1", True)):
             os.environ["SPECSERVE_GEMV_SPLITK"], gemv.WFIRST = split, first
             _check_gemv(device, dtype)
     finally:
@@ -315,9 +318,10 @@ def check_gemv(device, dtype):
 @kernel_check
 def _check_gemv(device, dtype):
     g = torch.Generator().manual_seed(9)
-    # a partial block of output features (100 = 12 x 8 + 4), a width that is not a power of two, the widest K
+    # a partial block of output features (100 = 12 x 8 + 4, quick: 36), a width that is not a power of two, the widest K
     # and the most rows the kernels take
-    for n, k, ts in ((100, 576, (1, 5)), (40, 1000, (1, 5)), (20, 2048, (8,))):
+    for n, k, ts in ((36, 576, (1, 5)), (20, 2048, (8,))) if QUICK else \
+            ((100, 576, (1, 5)), (40, 1000, (1, 5)), (20, 2048, (8,))):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
         nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
         bias = torch.randn(n, generator=g).to(device, dtype)
@@ -400,12 +404,12 @@ def _check_gemv(device, dtype):
 @kernel_check
 def check_norm_fold(device, dtype):
     """The MLP with the norm before it folded (``SwiGLU.from_stream`` after ``linear_add_scaled``) == the MLP
-    after that norm (``SwiGLU.after_norm`` / ``after_norm_sum``), at the default model's widths and a verify
-    step's 5 rows, where the engine folds."""
+    after that norm (``SwiGLU.after_norm`` / ``after_norm_sum``), at the default model's widths (quick: small
+    ones) and a verify step's 5 rows, where the engine folds."""
     from specserve.models.layers import RMSNorm, SwiGLU
 
     g = torch.Generator().manual_seed(7)
-    for h, i, a in ((576, 1536, 576), (64, 128, 96)):
+    for h, i, a in ((80, 192, 96),) if QUICK else ((576, 1536, 576), (64, 128, 96)):
         mlp = SwiGLU(h, i, bias=False)
         norm = RMSNorm(h, 1e-5)
         for p in (mlp.gate_up_proj.weight, mlp.down_proj.weight):
@@ -438,7 +442,7 @@ if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if os.environ.get("SPECSERVE_BUILD_SM"):  # interpreting: also build each kernel for that GPU (kernel_build.py)
         import kernel_build
-        launched = kernel_build.record()
+        launched = kernel_build.record(("bf16",) if QUICK else ("fp16", "bf16"))
     for dt in dtypes(dev):
         for c in CHECKS:
             c(dev, dt)
