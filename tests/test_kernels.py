@@ -25,28 +25,54 @@ def test_kernel_matches_reference_on_gpu(check, dtype):
     check("cuda", dtype)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU CI); the GPU test covers the kernels")
-def test_kernels_match_references_in_triton_interpreter():
-    """Also builds every launched kernel signature for sm_90 (kernel_build.py): the interpreter runs code
-    that the compiler rejects. The quick shapes (kernel_checks.QUICK): the full ones take 40 minutes here;
-    ``TRITON_INTERPRET=1 SPECSERVE_BUILD_SM=90 python tests/kernel_checks.py cpu`` runs them."""
+@pytest.fixture(scope="module")
+def interpreter_runs(tmp_path_factory):
+    """Both interpreter scripts started at once, with the quick shapes (kernel_checks.QUICK; the full ones take
+    40 minutes here, ``TRITON_INTERPRET=1 SPECSERVE_BUILD_SM=90 python tests/kernel_checks.py cpu`` runs
+    them): each is one Python thread, so on a 2-core machine they finish together in the time of one. Each
+    also builds every kernel signature it launched for sm_90 (kernel_build.py): the interpreter runs code
+    that the compiler rejects."""
     env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90", SPECSERVE_KERNEL_CHECKS="quick")
     here = Path(__file__).parent
-    r = subprocess.run([sys.executable, str(here / "kernel_checks.py"), "cpu"], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(": ok") == len(kernel_checks.CHECKS) * 2
-    assert "built for sm_90" in r.stdout, r.stdout[-2000:]
+    runs = {}
+    for name, script, args in (("kernels", "kernel_checks.py", ["cpu"]), ("engine", "kernel_engine_check.py", [])):
+        log = tmp_path_factory.mktemp("interpreter") / f"{name}.log"  # a file: a full pipe would stall the run
+        with open(log, "w") as f:
+            runs[name] = (subprocess.Popen([sys.executable, str(here / script), *args], env=env,
+                                           stdout=f, stderr=subprocess.STDOUT), log)
+
+    def result(name: str) -> tuple[int, str]:
+        proc, log = runs[name]
+        try:
+            rc = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            return rc, f"timed out after 900 s\n{log.read_text()}"
+        return rc, log.read_text()
+
+    yield result
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU CI); the GPU test covers the kernels")
+def test_kernels_match_references_in_triton_interpreter(interpreter_runs):
+    rc, out = interpreter_runs("kernels")
+    assert rc == 0, out
+    assert out.count(": ok") == len(kernel_checks.CHECKS) * 2
+    assert "built for sm_90" in out, out[-2000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU CI); the GPU tests cover the kernels")
-def test_engine_with_triton_kernels_matches_reference_in_interpreter():
+def test_engine_with_triton_kernels_matches_reference_in_interpreter(interpreter_runs):
     """Three runs (the quick set); without SPECSERVE_KERNEL_CHECKS=quick the script runs six."""
-    env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90", SPECSERVE_KERNEL_CHECKS="quick")
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "kernel_engine_check.py")], env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(": ok") == 3
+    rc, out = interpreter_runs("engine")
+    assert rc == 0, out
+    assert out.count(": ok") == 3
+    assert "built for sm_90" in out, out[-2000:]
 
 
 def test_a_kernel_that_does_not_build_falls_back_to_its_reference(monkeypatch, caplog):
