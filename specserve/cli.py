@@ -21,8 +21,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step; longer prompts are prefilled in chunks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV blocks (overrides the budget)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
                    help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used on CUDA only)")
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-p", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    s.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    s.add_argument("--stop-token-ids", type=int, nargs="+", default=None,
+                   help="token ids that end a request (put the prompts before this flag)")
     s.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
@@ -169,7 +172,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     prompts: list[str] = []
     for p in a.prompts:
-        prompts.extend(line.rstrip("\n") for line in sys.stdin if line.strip()) if p == "-" else prompts.append(p)
+        prompts.extend(line.rstrip("\r\n") for line in sys.stdin if line.strip()) if p == "-" else prompts.append(p)
     try:
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                                 seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,

@@ -188,7 +188,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
+        if self.max_model_len is not None and self.max_model_len <= 0:  # None: the model's length
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
 
@@ -213,7 +213,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:  # an unknown device string: a user's error, said as one
+        raise ValueError(f"unknown device {device!r} ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
     return dev

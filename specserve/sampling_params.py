@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_TOPK_MAX = 2 ** 31 - 1  # past any vocabulary: top-k keeps every token
+
 
 @dataclass
 class SamplingParams:
     """How one request is decoded.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1`` and
-    ``min_p == 0`` disable those filters. A ``seed`` makes sampling reproducible whatever else shares
-    the batch. Generation stops at EOS (unless ``ignore_eos``), at any of ``stop_token_ids``, when the
+    ``min_p == 0`` disable those filters (a ``top_k`` past the vocabulary keeps every token). A ``seed``
+    (any integer, taken modulo 2**64) makes sampling reproducible whatever else shares the batch. ``n``
+    (completions per prompt) is there for vLLM's callers and must be 1. Generation stops at EOS (unless ``ignore_eos``), at any of ``stop_token_ids``, when the
     text contains one of ``stop`` (the text is cut before it unless ``include_stop_str_in_output``), or
     after ``max_tokens`` tokens.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -38,31 +42,43 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        # the device keeps these as int64: larger values are brought into range without changing their meaning
+        self.seed = None if self.seed is None else (self.seed + 2 ** 63) % 2 ** 64 - 2 ** 63
+        self.top_k = min(self.top_k, _TOPK_MAX)
+        self.relaxed_topk = None if self.relaxed_topk is None else min(self.relaxed_topk, _TOPK_MAX)
 
     def validate(self) -> None:
         def bad(field_name: str, why: str):
             raise ValueError(f"invalid sampling parameter {field_name}={getattr(self, field_name)!r}: {why}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not integer(self.n) or self.n != 1:
+            bad("n", "only one completion per prompt (n=1) is supported")
+        if not number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be a number in (0, 1]")
+        if not integer(self.top_k) or (self.top_k < -1):
             bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if not number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be a number in [0, 1]")
+        if self.max_tokens is not None and (not integer(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 (or None for up to the context length)")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not integer(self.seed):
             bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not integer(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
-        if self.relaxed_topk is not None and (not isinstance(self.relaxed_topk, int) or self.relaxed_topk < 1):
+        if self.relaxed_topk is not None and (not integer(self.relaxed_topk) or self.relaxed_topk < 1):
             bad("relaxed_topk", "must be an integer >= 1")
-        if self.relaxed_delta is not None and not 0.0 <= self.relaxed_delta <= 1.0:
-            bad("relaxed_delta", "must be in [0, 1]")
+        if self.relaxed_delta is not None and (not number(self.relaxed_delta) or not 0.0 <= self.relaxed_delta <= 1.0):
+            bad("relaxed_delta", "must be a number in [0, 1]")
 
     @property
     def greedy(self) -> bool:

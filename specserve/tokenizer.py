@@ -47,10 +47,13 @@ class Tokenizer:
         return list(self.hf.encode(text))
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """``messages``: ``{"role", "content"}`` dicts, a content being a string, None (empty) or a list of
+        OpenAI content parts of which only text parts are taken (joined by newlines, as vLLM does)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
         ids = self.hf.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            [chat_message(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True,
+            return_dict=False
         )
         return list(ids)
 
@@ -59,6 +62,26 @@ class Tokenizer:
             text = self._decode_fast(list(ids), skip_special_tokens=skip_special_tokens)
             return text if self._clean_up is None else self._clean_up(text)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def chat_message(m) -> dict:
+    """One chat message as the template takes it: ``{"role": str, "content": str}``; ValueError otherwise."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        raise ValueError(f"a chat message must be a {{'role', 'content'}} object, got {m!r}")
+    content = m["content"]
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
+                                 f"got {part!r}")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise ValueError(f"a message's content must be a string, a list of text parts or null, got {content!r}")
+    return {"role": m["role"], "content": content}
 
 
 _PROBE = "a , b . c 's d n't e ! f ? g 'm h 've i 're"

@@ -213,10 +213,34 @@ def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm, reference, promp
     (dict(min_p=2.0), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(stop=[""]), "stop"),
+    (dict(n=2), "n=1"),
+    (dict(top_p="0.9"), "top_p"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(seed=1.5), "seed"),
 ])
 def test_invalid_sampling_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_seed_and_top_k_past_64_bits_run(llm):
+    """Values past the device's int64 mean what they say: a seed modulo 2**64, a top-k that keeps all."""
+    big = SamplingParams(temperature=0.8, max_tokens=6, seed=2 ** 64 + 7, top_k=2 ** 63, ignore_eos=True)
+    same = SamplingParams(temperature=0.8, max_tokens=6, seed=7, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], big)[0].token_ids == llm.generate(PROMPTS[0], same)[0].token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_a_failing_step_leaves_no_request_behind(llm, reference, monkeypatch):
+    eng = llm.engine
+    real = eng.step
+    monkeypatch.setattr(eng, "step", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(PROMPTS[:2], GREEDY)
+    monkeypatch.setattr(eng, "step", real)
+    assert not eng.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == reference[0]
 
 
 def test_generate_reports_errors_per_prompt_without_losing_others(llm, reference):
@@ -249,6 +273,9 @@ def test_chat_applies_template(llm):
     assert out.prompt_token_ids == expected
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "x"}])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == llm.tokenizer.encode(
+        "<|im_start|>user\nHello\nworld<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_unknown_llm_argument(model_dir):

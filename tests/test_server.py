@@ -129,10 +129,17 @@ def test_stop_strings_max_tokens_and_seeds(client):
     (json.dumps({"prompt": ""}), 400, "empty"),
     (json.dumps({"prompt": [5] * 1000}), 400, "context"),
     (json.dumps({"prompt": 5}), 400, "prompt"),
+    (json.dumps({"prompt": "hi", "presence_penalty": 1.5}), 400, "presence_penalty"),
+    (json.dumps({"prompt": "hi", "echo": True}), 400, "echo"),
+    (json.dumps({"prompt": "hi", "stream_options": [1]}), 400, "stream_options"),
+    (json.dumps({"prompt": "hi", "seed": 2 ** 70, "temperature": 0.5, "top_k": 2 ** 63}), 200, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, needle):
     r = httpx.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
+    if status == 200:  # a seed and a top-k past 64 bits mean what they say (no overflow on the device)
+        assert r.json()["choices"][0]["text"] is not None
+        return
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).choices[0].text is not None
@@ -141,6 +148,32 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 def test_chat_needs_messages(server):
     r = httpx.post(server + "/v1/chat/completions", json={"messages": "hello"})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and "text content parts" in r.json()["error"]["message"]
+
+
+def test_chat_content_parts_nulls_and_stream_roles(server, offline):
+    """Content as OpenAI's text parts equals the joined string; null fields take their defaults; a stream
+    names the role in its first chunk only; unknown routes answer in OpenAI's error body."""
+    msgs = [{"role": "user", "content": "Hello\nworld"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    ref = offline.generate([offline.tokenizer.apply_chat_template(msgs)],
+                           SamplingParams(temperature=0, max_tokens=6))[0]
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": parts, "max_tokens": 6, "temperature": 0,
+                                                          "top_p": None, "seed": None}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == ref.text
+    with httpx.stream("POST", server + "/v1/chat/completions", timeout=60,
+                      json={"messages": msgs, "max_tokens": 6, "temperature": 0, "stream": True}) as s:
+        lines = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    deltas = [json.loads(ln)["choices"][0]["delta"] for ln in lines[:-1]]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d["content"] for d in deltas) == ref.text
+    for method, path, status in (("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, server + path)
+        assert r.status_code == status and r.json()["error"]["message"], r.text
 
 
 def metrics(server) -> dict:

@@ -237,6 +237,9 @@ def test_prompt_file_shapes(tmp_path):
         {"turns": ["t4", "second turn"]},
         {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "c5"}]},
         {"messages": [{"role": "user", "content": "m6"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "m6b"}]}]},  # OpenAI content parts
+        {"conversations": [{"from": "human", "value": None}, {"from": "human", "value": "c6c"}]},  # empty turn
+        {"turns": [None, "t6d"]},
         {"prompt": "p1"},  # duplicate
         {"other": 1},
     ]
@@ -244,11 +247,13 @@ def test_prompt_file_shapes(tmp_path):
     jsonl.write_text("\n".join(json.dumps(r) for r in recs))
     arr = tmp_path / "b.json"
     arr.write_text(json.dumps([{"prompt": "p7"}]))
-    gz = tmp_path / "c.jsonl.gz"
+    gz = tmp_path / "c.JSONL.GZ"
     with gzip.open(gz, "wt") as f:
         f.write(json.dumps({"prompt": "p8"}) + "\n")
-    got = read_prompts([jsonl, arr, gz])
-    assert got == ["p1", "i2\n\nx", "i3\n\ny", "t4", "c5", "m6", "p7", "p8"]
+    pretty = tmp_path / "d.json"  # one object over several lines, with a byte-order mark
+    pretty.write_text("\ufeff" + json.dumps({"prompt": "p9"}, indent=2), encoding="utf-8")
+    got = read_prompts([jsonl, arr, gz, pretty])
+    assert got == ["p1", "i2\n\nx", "i3\n\ny", "t4", "c5", "m6", "m6b", "c6c", "t6d", "p7", "p8", "p9"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{not json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):

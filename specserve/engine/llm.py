@@ -65,12 +65,19 @@ class LLM:
                 errors[i] = str(e)
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids) - len(errors), use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # a failed step (or Ctrl-C) must not leave this call's requests in the engine
+            for rid in ids:
+                if rid is not None and rid not in results:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         final = []
         for i, rid in enumerate(ids):
             if rid is None:
@@ -92,10 +99,7 @@ class LLM:
         to several, and generate the assistant replies."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
-        for conv in convs:
-            for m in conv:
-                if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                    raise ValueError(f"chat messages must be {{'role', 'content'}} dicts, got {m!r}")
+        for conv in convs:  # each message checked there (tokenizer.chat_message): text content parts are joined
             prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(conv)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_error=raise_on_error)
 

@@ -66,7 +66,7 @@ class LLMEngine:
         self.kv_cache = KVCache(kv_layers, num_blocks, args.block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, args.block_size)
-        max_len = args.max_model_len or cfg.max_position_embeddings
+        max_len = cfg.max_position_embeddings if args.max_model_len is None else args.max_model_len
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context of {cfg.max_position_embeddings}")
         d = self.spec_config.max_draft_len if self.spec_config is not None else 0

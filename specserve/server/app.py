@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import chat_message
 from specserve.server.async_engine import AsyncEngine, QueueFull, usage_of
 from specserve.server.metrics import ServerMetrics
+
+
+log = logging.getLogger("specserve")
 
 
 class APIError(Exception):
@@ -31,22 +37,36 @@ _NUM = (int, float)
 
 
 def _field(body: dict, name: str, types, default=None):
-    v = body.get(name, default)
+    """A request field of ``types``; absent or null: ``default``."""
+    v = body.get(name)
     if v is None:
-        return v
+        return default
     if not isinstance(v, types) or (isinstance(v, bool) and types is not bool):
         raise APIError(400, f"'{name}' has the wrong type ({type(v).__name__})", param=name)
     return v
 
 
-def sampling_params(body: dict) -> SamplingParams:
-    """OpenAI request fields (and specserve's extensions) -> SamplingParams; 400 on bad values."""
+# OpenAI fields this server does not implement, with the values that mean "off": anything else is a 400 rather
+# than a reply that silently ignores what was asked
+_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "presence_penalty": (None, 0, 0.0),
+                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False),
+                "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+                "response_format": (None, {"type": "text"}), "suffix": (None, "")}
+
+
+def sampling_params(body: dict, chat: bool = False) -> SamplingParams:
+    """OpenAI request fields (and specserve's extensions) -> SamplingParams; 400 on bad values. Without a
+    token limit a chat completion runs up to the context length and a completion stops at 16 (OpenAI's
+    defaults)."""
     n = _field(body, "n", int, 1)
     if n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise APIError(400, "logprobs are not supported yet", param="logprobs")
-    max_tokens = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int, 16)
+    for name, off in _UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+    max_tokens = _field(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", int, None if chat else 16)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and
                                                           all(isinstance(s, str) for s in stop))):
@@ -74,6 +94,15 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def _api_error(_req, e: APIError):
         metrics.rejected.labels(e.code or str(e.status)).inc()
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_req, e: StarletteHTTPException):  # unknown routes and methods, in OpenAI's body
+        return await _api_error(_req, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_req, e: Exception):  # Starlette logs the traceback
+        return await _api_error(_req, APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                               code="internal_error", kind="server_error"))
 
     async def _body(request: Request) -> dict:
         try:
@@ -115,20 +144,23 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def chat(request: Request):
         body = await _body(request)
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
+        if not isinstance(msgs, list) or not msgs:
             raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
         try:
-            prompt = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs])
+            msgs = [chat_message(m) for m in msgs]
+        except ValueError as e:
+            raise APIError(400, f"'messages': {e}", param="messages") from None
+        try:
+            prompt = tokenizer.apply_chat_template(msgs)
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         return await _serve(request, body, prompt, chat=True)
 
     async def _serve(request: Request, body: dict, prompt, chat: bool):
-        params = sampling_params(body)
+        params = sampling_params(body, chat)
         stream = bool(body.get("stream", False))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        options = _field(body, "stream_options", dict, {})
+        include_usage = bool(options.get("include_usage", False))
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -140,13 +172,15 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
 
-        def choice(out, delta: bool):
+        def choice(out, delta: bool, first_chunk: bool = False):
             text = out.delta_text if delta else out.text
             fin = out.finish_reason if out.finished else None
             if chat:
-                key = "delta" if delta else "message"
-                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": fin,
-                        "logprobs": None}
+                if not delta:
+                    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin,
+                            "logprobs": None}
+                msg = {"role": "assistant", "content": text} if first_chunk else {"content": text}
+                return {"index": 0, "delta": msg, "finish_reason": fin, "logprobs": None}
             return {"index": 0, "text": text, "finish_reason": fin, "logprobs": None}
 
         if not stream:
@@ -172,9 +206,11 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             out = first
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
             try:
+                first_chunk = True
                 while True:
                     payload = {"id": cid, "object": chunk_obj, "created": created, "model": model_name,
-                               "choices": [choice(out, True)]}
+                               "choices": [choice(out, True, first_chunk)]}
+                    first_chunk = False
                     if include_usage:
                         payload["usage"] = None
                     yield f"data: {json.dumps(payload)}\n\n"
@@ -184,6 +220,12 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 metrics.observe_finished(out)
                 if include_usage:
                     yield f"data: {json.dumps({'id': cid, 'object': chunk_obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage_of(out)})}\n\n"
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # the status line is sent already: the error goes in the stream, then its end
+                log.exception("stream failed")
+                err = {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
+                       "param": None, "code": "internal_error"}
+                yield f"data: {json.dumps({'error': err})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 await gen.aclose()  # a client that went away aborts its request and frees its blocks

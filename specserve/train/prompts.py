@@ -11,7 +11,10 @@ from pathlib import Path
 
 
 def _open(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+    # utf-8-sig: a byte-order mark (some Windows editors write one) is not part of the first record
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def _records(path: Path) -> list:
@@ -20,6 +23,11 @@ def _records(path: Path) -> list:
     stripped = text.lstrip()
     if stripped.startswith("["):
         return json.loads(text)
+    if stripped.startswith("{"):  # one JSON object over several lines (a pretty-printed .json)
+        try:
+            return [json.loads(text)]
+        except json.JSONDecodeError:
+            pass  # JSONL: one object per line
     records = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
@@ -31,12 +39,20 @@ def _records(path: Path) -> list:
 
 
 def _first_user_turn(turns: list) -> str | None:
+    """The first non-empty user turn; a turn's content may be a string or OpenAI's text parts."""
+    from specserve.tokenizer import chat_message
+
     for t in turns:
-        if isinstance(t, str):
+        if isinstance(t, str) and t.strip():
             return t
-        role = t.get("from", t.get("role"))
-        if role in ("human", "user"):
-            return t.get("value", t.get("content"))
+        if not isinstance(t, dict) or t.get("from", t.get("role")) not in ("human", "user"):
+            continue
+        try:
+            text = chat_message({"role": "user", "content": t.get("value", t.get("content"))})["content"]
+        except ValueError:
+            continue  # images and other parts: not a text prompt
+        if text.strip():
+            return text
     return None
 
 
