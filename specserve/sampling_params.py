@@ -14,9 +14,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1`` and
     ``min_p == 0`` disable those filters (a ``top_k`` past the vocabulary keeps every token). A ``seed``
     (any integer, taken modulo 2**64) makes sampling reproducible whatever else shares the batch. ``n``
-    (completions per prompt) is there for vLLM's callers and must be 1. Generation stops at EOS (unless ``ignore_eos``), at any of ``stop_token_ids``, when the
-    text contains one of ``stop`` (the text is cut before it unless ``include_stop_str_in_output``), or
-    after ``max_tokens`` tokens.
+    (completions per prompt) is there for vLLM's callers and must be 1. Generation stops at EOS (unless
+    ``ignore_eos``), at any of ``stop_token_ids``, when the text contains one of ``stop`` (the text is cut
+    before it unless ``include_stop_str_in_output``), or after ``max_tokens`` tokens.
     """
 
     n: int = 1

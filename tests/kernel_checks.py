@@ -162,7 +162,8 @@ def check_attention(device, dtype):
         kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
         vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
         # rows: a verify row (5 queries), a decode row, a long prefill chunk, a padded row, a row past one split
-        lens = [(37, 5), (16, 1), (200, 24), (3, 2), (300, 5)] if QUICK else [(37, 5), (16, 1), (300, 70), (3, 2), (610, 5)]
+        lens = [(37, 5), (16, 1), (200, 24), (3, 2), (300, 5)] if QUICK else \
+            [(37, 5), (16, 1), (300, 70), (3, 2), (610, 5)]
         m = 20 if QUICK else 40
         tables = torch.zeros(len(lens), m, dtype=torch.int64)
         qw = max(nq for _, nq in lens)
@@ -183,8 +184,8 @@ def check_attention(device, dtype):
         q = torch.randn(t, hq, d, generator=g).to(device, dtype)
         args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
         ref = paged_attention_sdpa(*args)
-        # 640 (quick: 320) table positions: several splits with partial sums and the merge kernel; forced to one split, the
-        # split kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
+        # 640 (quick: 320) table positions: several splits with partial sums and the merge kernel; forced to one
+        # split, the split kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
         _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
         _close(paged_attention_triton(*args, num_splits=1), ref, dtype, f"paged attention, 1 split {hq}/{hkv}/{d}")
         # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)
@@ -304,7 +305,8 @@ def check_gemv(device, dtype):
     # K loaded in one block or split in two (576 = 512 + 64); the weights loaded after the prologue or first
     old, wfirst = os.environ.get("SPECSERVE_GEMV_SPLITK"), gemv.WFIRST
     try:
-        for split, first in (("0", False), ("1", True)) if QUICK else (("0", False), ("0", True), ("1", False), ("1", True)):
+        variants = (("0", False), ("1", True)) if QUICK else (("0", False), ("0", True), ("1", False), ("1", True))
+        for split, first in variants:
             os.environ["SPECSERVE_GEMV_SPLITK"], gemv.WFIRST = split, first
             _check_gemv(device, dtype)
     finally:
@@ -318,8 +320,8 @@ def check_gemv(device, dtype):
 @kernel_check
 def _check_gemv(device, dtype):
     g = torch.Generator().manual_seed(9)
-    # a partial block of output features (100 = 12 x 8 + 4, quick: 36), a width that is not a power of two, the widest K
-    # and the most rows the kernels take
+    # a partial block of output features (100 = 12 x 8 + 4, quick: 36), a width that is not a power of two, the
+    # widest K and the most rows the kernels take
     for n, k, ts in ((36, 576, (1, 5)), (20, 2048, (8,))) if QUICK else \
             ((100, 576, (1, 5)), (40, 1000, (1, 5)), (20, 2048, (8,))):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.sampling_params import SamplingParams
-from specserve.tokenizer import chat_message
 from specserve.server.async_engine import AsyncEngine, QueueFull, usage_of
 from specserve.server.metrics import ServerMetrics
 
@@ -146,11 +145,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        try:
-            msgs = [chat_message(m) for m in msgs]
-        except ValueError as e:
-            raise APIError(400, f"'messages': {e}", param="messages") from None
-        try:
+        try:  # each message checked, and text content parts joined, there (tokenizer.chat_message)
             prompt = tokenizer.apply_chat_template(msgs)
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None

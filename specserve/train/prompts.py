@@ -9,6 +9,8 @@ import gzip
 import json
 from pathlib import Path
 
+from specserve.tokenizer import chat_message
+
 
 def _open(path: Path):
     # utf-8-sig: a byte-order mark (some Windows editors write one) is not part of the first record
@@ -40,8 +42,6 @@ def _records(path: Path) -> list:
 
 def _first_user_turn(turns: list) -> str | None:
     """The first non-empty user turn; a turn's content may be a string or OpenAI's text parts."""
-    from specserve.tokenizer import chat_message
-
     for t in turns:
         if isinstance(t, str) and t.strip():
             return t
