@@ -224,6 +224,31 @@ def test_chunked_prefill_head_kv_equals_unchunked(dirs, head):
     assert whole.abs().sum() > 0
 
 
+@pytest.mark.parametrize("head", ["eagle3-d4", "mtp_eagle-d3"])
+def test_draft_step0_over_last_tokens_equals_all_tokens(dirs, head, monkeypatch):
+    # draft step 0 runs attention and the MLP for each row's last accepted token only; computing every token
+    # and gathering (SPECSERVE_DRAFT_ROWS=all) must give the same outputs, KV and drafts, chunked prefill and
+    # mixed batches included
+    def run(mode):
+        monkeypatch.setenv("SPECSERVE_DRAFT_ROWS", mode)
+        llm = llm_for(dirs, spec_cfg(dirs, head), max_num_batched_tokens=7)
+        h = llm.engine.runner.head
+        outs, drafts = [], []
+        step0, propose = h.step0, h.propose
+        h.step0 = lambda x, kv: outs.append(step0(x, kv)) or outs[-1]
+        h.propose = lambda x, kv: drafts.append(propose(x, kv)) or drafts[-1]
+        tokens = [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)]
+        return tokens, outs, drafts, llm.engine.kv_cache.tensor[llm.engine.model_config.num_hidden_layers:].clone()
+
+    tokens, outs, drafts, kv = run("last")
+    tokens_all, outs_all, drafts_all, kv_all = run("all")
+    assert tokens == tokens_all
+    assert len(outs) == len(outs_all) > 5 and all(o.shape == a.shape for o, a in zip(outs, outs_all))
+    assert max((o - a).abs().max().item() for o, a in zip(outs, outs_all)) < 1e-4
+    assert all(torch.equal(d, a) for d, a in zip(drafts, drafts_all))
+    assert torch.allclose(kv, kv_all, atol=1e-5) and kv.abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # acceptance on hand-built tokens
 

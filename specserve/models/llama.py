@@ -42,34 +42,63 @@ class Attention(nn.Module):
         return self.normed(x, positions, meta, k_cache, v_cache)[0]
 
     def normed(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None,
-               embed=None, fold=None, stream=None):
+               embed=None, fold=None, stream=None, rows=None):
         """``forward`` of prologue(x) -> (output, x + residual for ADD_NORM, else None). NORM / ADD_NORM (the
         few-row GPU path): x normed by ``norm`` (after adding ``residual``); EMBED_CAT, ``embed`` = (ids [T],
         table [V, H], embedding norm): cat(embedding norm(table[ids]), norm(x)), a draft head's input. Where the
         kernel applies, the prologue, RoPE and the KV write all run inside the qkv projection. ``fold`` (the
         next RMSNorm, ``SwiGLU.norm_folds``): the output is (s, s * fold.weight), s = the o projection + the
-        stream (``stream``, else x + residual, else x)."""
-        nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-        res = None
-        if isinstance(meta, AttentionMetadata) and self.q_norm is None:
+        stream (``stream``, else x + residual, else x). ``rows`` = (index [N], layout), paged steps only: every
+        token writes its KV, but attention and the o projection run for the flat tokens ``index`` only, as
+        ``layout`` (AttentionMetadata of N one-query rows) says; the output has N rows, and a ``stream`` given
+        is at those tokens already (a draft step 0, whose output is read at each row's last token)."""
+        if isinstance(meta, AttentionMetadata):
+            q, res = self.qkv_cached(x, positions, meta, k_cache, v_cache, prologue, residual, norm, embed)
+            own = stream is not None
+            fold, stream = _folded(fold, stream, res, x)
+            if rows is not None:
+                idx, meta = rows
+                q = q[idx]  # [N, Hq, D]
+                stream = stream if own or stream is None else stream[idx]
+            return self._attend(q, meta, k_cache, v_cache, fold, stream), res
+        # training's dense layouts (``meta.attend``): no cache
+        qkv, res = self._qkv(x, prologue, residual, norm, embed)
+        q, k, v = self._heads(qkv)
+        q, k = self.rope(positions, q, k)
+        out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
+        return self._o_proj(out.reshape(*qkv.shape[:-1], self.hq * self.d), *_folded(fold, stream, res, x)), res
+
+    def qkv_cached(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None,
+                   embed=None):
+        """The paged path's first half: the qkv projection of prologue(x) (as ``normed``), RoPE, and k and v
+        written to the cache at ``meta.slot_mapping`` -> (rotated q [T, Hq, D], x + residual for ADD_NORM, else
+        None); one kernel where the fused qkv + RoPE kernel applies."""
+        if self.q_norm is None:
+            nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
             fused = qkv_rope_cache(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps, positions,
                                    self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache, meta.slot_mapping,
                                    self.hq, self.hkv, self.d, None if embed is None else (*embed[:2], embed[2].weight))
             if fused is not None:
-                q, res = fused
-                return self._attend(q, meta, k_cache, v_cache, *_folded(fold, stream, res, x)), res
-        x_in = x
+                return fused
+        qkv, res = self._qkv(x, prologue, residual, norm, embed)
+        q, k, v = self._heads(qkv)
+        q = rope_and_cache(positions, q, k, v, self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache,
+                           meta.slot_mapping)  # one kernel on CUDA
+        return q, res
+
+    def _qkv(self, x, prologue, residual, norm, embed):
+        """The qkv projection of prologue(x) without the fused RoPE kernel -> (qkv [..., (Hq + 2 Hkv) * D],
+        x + residual for ADD_NORM, else None)."""
+        nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
         if prologue == EMBED_CAT:
             x, prologue = embed_norm_cat(embed[0], embed[1], embed[2].weight, x, nw, eps), NONE
         if prologue == NONE:
-            qkv = linear(self.qkv_proj, x)
-        else:
-            qkv, res = fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps)
-        return self.from_qkv(qkv, positions, meta, k_cache, v_cache, *_folded(fold, stream, res, x_in)), res
+            return linear(self.qkv_proj, x), None
+        return fused_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, prologue, residual, nw, eps)
 
-    def from_qkv(self, qkv, positions, meta, k_cache, v_cache, fold=None, stream=None):
-        """``forward`` after the qkv projection: qkv [..., (Hq + 2 Hkv) * D] -> [..., H]; with ``fold`` and
-        ``stream`` [..., H]: (o + stream, (o + stream) * fold.weight), as ``_attend``."""
+    def _heads(self, qkv):
+        """qkv [..., (Hq + 2 Hkv) * D] -> q [..., Hq, D], k, v [..., Hkv, D] (q and k normed where the model
+        has q/k norms)."""
         lead = qkv.shape[:-1]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = q.view(*lead, self.hq, self.d)
@@ -77,14 +106,7 @@ class Attention(nn.Module):
         v = v.view(*lead, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(meta, AttentionMetadata):
-            # RoPE on q and k, and k/v into the cache at the step's slots (one kernel on CUDA)
-            q = rope_and_cache(positions, q, k, v, self.rope.cos_cache, self.rope.sin_cache, k_cache, v_cache,
-                               meta.slot_mapping)
-            return self._attend(q, meta, k_cache, v_cache, fold, stream)
-        q, k = self.rope(positions, q, k)
-        out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
-        return self._o_proj(out.reshape(*lead, self.hq * self.d), fold, stream)
+        return q, k, v
 
     def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
@@ -107,27 +129,39 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, residual, positions, meta, k_cache, v_cache):
-        """Returns (layer output before the residual add, residual); their sum is the stream."""
+    def forward(self, x, residual, positions, meta, k_cache, v_cache, rows=None):
+        """Returns (layer output before the residual add, residual); their sum is the stream. ``rows``: as
+        ``Attention.normed`` (every token's KV, the output at those tokens only)."""
         if self.mlp.few_row_path(x):  # few rows on the GPU: the input norm runs inside the qkv projection
             post = self.post_attention_layernorm
-            fold = post if self.mlp.norm_folds(x) else None
+            fold = post if self.mlp.norm_folds(_row_count_view(x, rows)) else None
             h, res = self.self_attn.normed(x, positions, meta, k_cache, v_cache, NORM if residual is None else ADD_NORM,
-                                           residual, self.input_layernorm, fold=fold)
+                                           residual, self.input_layernorm, fold=fold, rows=rows)
             if fold is not None:  # h = (the stream after attention, it times post's weight)
                 return self.mlp.from_stream(post, *h), h[0]
-            return self.mlp.after_norm(post, h, x if residual is None else res)
+            return self.mlp.after_norm(post, h, _at_rows(x if residual is None else res, rows))
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        return self.body(h, residual, positions, meta, k_cache, v_cache)
+        return self.body(h, residual, positions, meta, k_cache, v_cache, rows)
 
-    def body(self, h, residual, positions, meta, k_cache, v_cache):
+    def body(self, h, residual, positions, meta, k_cache, v_cache, rows=None):
         """The layer after its input norm: h = normed input stream, residual = the input stream itself."""
-        h = self.self_attn(h, positions, meta, k_cache, v_cache)
-        return self.mlp.after_norm(self.post_attention_layernorm, h, residual)
+        h = self.self_attn.normed(h, positions, meta, k_cache, v_cache, rows=rows)[0]
+        return self.mlp.after_norm(self.post_attention_layernorm, h, _at_rows(residual, rows))
+
+
+def _at_rows(x: torch.Tensor, rows) -> torch.Tensor:
+    """x [T, ...] at ``rows``' flat tokens [N, ...] (x itself without ``rows``)."""
+    return x if rows is None else x[rows[0]]
+
+
+def _row_count_view(x: torch.Tensor, rows) -> torch.Tensor:
+    """A view of x [T, H] with as many rows as ``rows`` asks for (N <= T): the few-row kernels' choices depend on
+    the row count, dtype and device only, so this asks them about the N-row tail without a gather."""
+    return x if rows is None else x[:rows[0].shape[0]]
 
 
 class LlamaForCausalLM(nn.Module):

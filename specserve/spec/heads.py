@@ -78,8 +78,10 @@ class DraftHead(nn.Module):
         """Target hidden states -> the head's step-0 hidden input [T, H]."""
         raise NotImplementedError
 
-    def run_module(self, step: int, ids, positions, hidden, meta: AttentionMetadata, kv) -> torch.Tensor:
-        """One module pass for draft step ``step``; returns its pre-norm output [N, H]."""
+    def run_module(self, step: int, ids, positions, hidden, meta: AttentionMetadata, kv, rows=None) -> torch.Tensor:
+        """One module pass for draft step ``step`` over ids [N] -> its pre-norm output [N, H]; with ``rows`` =
+        (index [B], layout), every token writes its KV and the output is at those flat tokens only [B, H]
+        (``Attention.normed``)."""
         raise NotImplementedError
 
     def logits(self, step: int, out: torch.Tensor) -> torch.Tensor:
@@ -136,9 +138,21 @@ class DraftHead(nn.Module):
 
     # --- the draft loop (chain: step 0 over every verified token, then one-token steps) ----------
     def step0(self, x: DraftInputs, kv: list) -> torch.Tensor:
+        """Draft step 0 over every token of the step -> the module's output at each row's last accepted token
+        [B, H]. Every token writes its head KV; attention, the o projection and the MLP run for the B last
+        tokens only (their outputs are the only ones read). SPECSERVE_DRAFT_ROWS=all: for all T tokens, then
+        a gather (measurements)."""
         ids = x.step0_ids  # [T]
-        h = self.first_hidden(x.hidden, x.aux)
-        return self.run_module(0, ids, x.positions, h, x.meta, kv[self.kv_layer(0)])  # [T, H]
+        h = self.first_hidden(x.hidden, x.aux)  # [T, H]
+        kv0 = kv[self.kv_layer(0)]
+        if os.environ.get("SPECSERVE_DRAFT_ROWS", "last") == "all":
+            return self.run_module(0, ids, x.positions, h, x.meta, kv0)[x.last_idx]
+        rows = _arange(x.last_idx.shape[0], x.last_idx.device)
+        layout = AttentionMetadata(
+            slot_mapping=x.meta.slot_mapping[:0], block_tables=x.block_tables, query_index=rows[:, None],
+            query_pos=x.last_pos[:, None], flat_index=rows, sliding_window=x.meta.sliding_window,
+            backend=x.meta.backend)  # nothing writes through it: the KV is written over all T tokens
+        return self.run_module(0, ids, x.positions, h, x.meta, kv0, rows=(x.last_idx, layout))
 
     def chain_layout(self, x: DraftInputs) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
         """Positions, cache slots and attention layout of chain steps 1..D-1 (the worker computes the positions
@@ -152,7 +166,7 @@ class DraftHead(nn.Module):
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         """Returns drafts [B, D] (target ids)."""
-        last = self.step0(x, kv)[x.last_idx]  # [B, H]
+        last = self.step0(x, kv)  # [B, H]
         tok = self.draft_ids(0, last)
         drafts = [tok]
         steps = self.chain_layout(x)
@@ -180,18 +194,19 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache):
+    def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache, rows=None):
         """ids [N] (training: [B, S]); table [V, H]: the embedding; hidden [N, H] -> output stream [N, H]
-        (pre final norm)."""
+        (pre final norm); with ``rows`` (``Attention.normed``) at those tokens only [B, H]."""
         # the input [N, 2H], cat(input_layernorm(embed), hidden_norm(hidden)), built inside the qkv projection
         # where its kernel applies
         post = self.post_attention_layernorm
-        fold = post if self.mlp.norm_folds(hidden) else None  # a step of many rows: see SwiGLU.norm_folds
+        stream = hidden if rows is None else hidden[rows[0]]  # the stream at the output's rows
+        fold = post if self.mlp.norm_folds(stream) else None  # a step of many rows: see SwiGLU.norm_folds
         x, _ = self.self_attn.normed(hidden, positions, meta, k_cache, v_cache, EMBED_CAT, None, self.hidden_norm,
-                                     (ids, table, self.input_layernorm), fold=fold, stream=hidden)
+                                     (ids, table, self.input_layernorm), fold=fold, stream=stream, rows=rows)
         if fold is not None:
             return self.mlp.from_stream(post, *x, add_stream=True)
-        return self.mlp.after_norm_sum(post, x, hidden)
+        return self.mlp.after_norm_sum(post, x, stream)
 
 
 class Eagle3Head(DraftHead):
@@ -218,8 +233,8 @@ class Eagle3Head(DraftHead):
     def first_hidden(self, hidden, aux):
         return linear(self.fc, torch.cat(aux, dim=-1))
 
-    def run_module(self, step, ids, positions, hidden, meta, kv):
-        return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv)
+    def run_module(self, step, ids, positions, hidden, meta, kv, rows=None):
+        return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv, rows=rows)
 
     def output_layer(self, step):
         return self.norm, self.lm_weight()
@@ -260,10 +275,10 @@ class MTPModule(nn.Module):
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.shared_head_head = nn.Linear(h, cfg.vocab_size, bias=False) if own_head else None
 
-    def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache):
+    def forward(self, ids, table, hidden, positions, meta, k_cache, v_cache, rows=None):
         x = linear(self.eh_proj, embed_norm_cat(ids, table, self.enorm.weight, hidden, self.hnorm.weight,
                                                 self.enorm.eps))
-        out, residual = self.block(x, None, positions, meta, k_cache, v_cache)
+        out, residual = self.block(x, None, positions, meta, k_cache, v_cache, rows)
         return out + residual
 
 
@@ -289,8 +304,8 @@ class MTPHead(DraftHead):
     def first_hidden(self, hidden, aux):
         return hidden
 
-    def run_module(self, step, ids, positions, hidden, meta, kv):
-        return self.module(step)(ids, self.embed_table(), hidden, positions, meta, *kv)
+    def run_module(self, step, ids, positions, hidden, meta, kv, rows=None):
+        return self.module(step)(ids, self.embed_table(), hidden, positions, meta, *kv, rows=rows)
 
     def output_layer(self, step):
         mod = self.module(step)
