@@ -25,8 +25,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in bytes")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="exact number of KV blocks (overrides the budget)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.8,
-                   help="fraction of free GPU memory the KV cache takes (when --kv-cache-memory is not given)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine may use: weights, activations and the KV cache, "
+                        "which takes the rest (when --kv-cache-memory is not given)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (they are used on CUDA only)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="model to serve, as `vllm serve MODEL` (the same as --model)")
     _add_engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
@@ -319,6 +322,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from specserve.server.app import build_app
     from specserve.server.async_engine import AsyncEngine
 
+    if a.model_tag is not None:
+        if a.model is not None and a.model != a.model_tag:
+            print(f"specserve: error: two models given: {a.model_tag} and --model {a.model}", file=sys.stderr)
+            return 2
+        a.model = a.model_tag
     try:
         engine = LLMEngine(EngineArgs(model=a.model, **_engine_kwargs(a)))
     except (ValueError, FileNotFoundError) as e:

@@ -149,14 +149,15 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache sizing.
 
-    ``kv_cache_memory_bytes`` fixes the pool size; otherwise on CUDA the pool takes
-    ``gpu_memory_utilization`` of the memory still free after the weights are loaded, and on the CPU
-    ``cpu_kv_cache_bytes`` (default 2 GiB).
+    ``kv_cache_memory_bytes`` fixes the pool size; otherwise on CUDA the engine may use
+    ``gpu_memory_utilization`` of the GPU's total memory (vLLM's meaning and default), and the pool takes what
+    is left of that after the weights and a reserve for activations (``kv_cache.plan_num_blocks``); on the CPU
+    it takes ``cpu_kv_cache_bytes`` (default 2 GiB).
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.8
+    gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30
     num_blocks: int | None = None  # exact block count; overrides the byte budget (tests use tiny pools)
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.cache.kv_cache import BlockPool
-from specserve.config import SchedulerConfig
+import torch
+
+from specserve.cache import kv_cache
+from specserve.cache.kv_cache import BlockPool, plan_num_blocks
+from specserve.config import CacheConfig, SchedulerConfig
 from specserve.core.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.runner.model_runner import RowResult
@@ -95,3 +98,25 @@ def test_drafts_are_scheduled_for_verification_and_rejected_ones_dropped_by_leng
     assert len(a.block_ids) == 3  # positions 5..8 verified + 2 draft-loop slots -> 11 slots
     s.update(out, [RowResult([8, 42], num_drafts=3, num_accepted=1)])
     assert a.num_computed_tokens == 7  # t=7 and the accepted draft 8; drafts 9, 10 rejected
+
+
+def test_gpu_memory_utilization_is_a_share_of_total_memory_as_in_vllm(monkeypatch):
+    gib = 2 ** 30
+    free = {"v": 70 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["v"], 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)  # the weights
+    cuda = torch.device("cuda")
+    per_block = gib // 64
+    # 0.9 of 80 GiB = 72 GiB for the process: 72 - 2 (held) - the activation reserve for the cache
+    want = (72 * gib - 2 * gib - kv_cache.ACTIVATION_RESERVE) // per_block
+    assert plan_num_blocks(CacheConfig(gpu_memory_utilization=0.9), per_block, cuda) == want
+    assert plan_num_blocks(CacheConfig(gpu_memory_utilization=0.5), per_block, cuda) == \
+        (40 * gib - 2 * gib - kv_cache.ACTIVATION_RESERVE) // per_block
+    # an explicit size or count wins over the share
+    assert plan_num_blocks(CacheConfig(kv_cache_memory_bytes=3 * per_block), per_block, cuda) == 3
+    # another process holds memory the share asks for, or the share leaves nothing for the cache: clear errors
+    free["v"] = 30 * gib
+    with pytest.raises(ValueError, match="only 32.0 GiB are free"):
+        plan_num_blocks(CacheConfig(gpu_memory_utilization=0.9), per_block, cuda)
+    with pytest.raises(ValueError, match="leaves no room for a KV cache"):
+        plan_num_blocks(CacheConfig(gpu_memory_utilization=0.05), per_block, cuda)

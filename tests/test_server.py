@@ -266,3 +266,21 @@ def test_queue_limit_answers_429(dirs):
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
         proc.kill()
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch, capsys):
+    import specserve
+    from specserve.cli import main
+
+    seen = []
+
+    def engine(args):
+        seen.append(args.model)
+        raise ValueError("stop here")  # no server started: the test checks how the model reached the engine
+
+    monkeypatch.setattr(specserve, "LLMEngine", engine)
+    assert main(["serve", "/models/m"]) == 2 and seen == ["/models/m"]
+    assert main(["serve", "--model", "/models/m"]) == 2 and seen[-1] == "/models/m"
+    assert main(["serve", "/models/m", "--model", "/models/m"]) == 2 and len(seen) == 3
+    assert main(["serve", "/models/a", "--model", "/models/b"]) == 2 and len(seen) == 3
+    assert "two models given" in capsys.readouterr().err

@@ -35,7 +35,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.8
+    gpu_memory_utilization: float = 0.9  # of the GPU's total memory, as vLLM
     num_kv_blocks: int | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     enforce_eager: bool = False  # True: no CUDA graphs (they are used on CUDA only)
