@@ -102,21 +102,21 @@ def test_drafts_are_scheduled_for_verification_and_rejected_ones_dropped_by_leng
 
 def test_gpu_memory_utilization_is_a_share_of_total_memory_as_in_vllm(monkeypatch):
     gib = 2 ** 30
-    free = {"v": 70 * gib}
+    free = {"v": 75 * gib}  # 80 GiB, of which the engine's 2 GiB of weights and 3 GiB elsewhere taken
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["v"], 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * gib)  # the weights
     cuda = torch.device("cuda")
     per_block = gib // 64
-    # 0.9 of 80 GiB = 72 GiB for the process: 72 - 2 (held) - the activation reserve for the cache
-    want = (72 * gib - 2 * gib - kv_cache.ACTIVATION_RESERVE) // per_block
-    assert plan_num_blocks(CacheConfig(gpu_memory_utilization=0.9), per_block, cuda) == want
-    assert plan_num_blocks(CacheConfig(gpu_memory_utilization=0.5), per_block, cuda) == \
-        (40 * gib - 2 * gib - kv_cache.ACTIVATION_RESERVE) // per_block
-    # an explicit size or count wins over the share
-    assert plan_num_blocks(CacheConfig(kv_cache_memory_bytes=3 * per_block), per_block, cuda) == 3
-    # another process holds memory the share asks for, or the share leaves nothing for the cache: clear errors
+
+    def plan(util, **kw):
+        return plan_num_blocks(CacheConfig(gpu_memory_utilization=util, **kw), per_block, cuda, 2 * gib)
+
+    # 0.9 of 80 GiB = 72 GiB for the engine: 72 - 2 (weights) - the activation reserve for the cache
+    assert plan(0.9) == (72 * gib - 2 * gib - kv_cache.ACTIVATION_RESERVE) // per_block
+    assert plan(0.5) == (40 * gib - 2 * gib - kv_cache.ACTIVATION_RESERVE) // per_block
+    assert plan(0.9, kv_cache_memory_bytes=3 * per_block) == 3  # an explicit size wins over the share
+    # other engines or processes hold memory the share asks for, or the share leaves nothing: clear errors
     free["v"] = 30 * gib
     with pytest.raises(ValueError, match="only 32.0 GiB are free"):
-        plan_num_blocks(CacheConfig(gpu_memory_utilization=0.9), per_block, cuda)
+        plan(0.9)
     with pytest.raises(ValueError, match="leaves no room for a KV cache"):
-        plan_num_blocks(CacheConfig(gpu_memory_utilization=0.05), per_block, cuda)
+        plan(0.05)

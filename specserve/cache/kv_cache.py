@@ -72,30 +72,28 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 ACTIVATION_RESERVE = 2 << 30
 
 
-def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device) -> int:
-    """Pool size from the cache config: an exact count, an explicit byte budget, or on CUDA vLLM's rule: this
-    process may use ``gpu_memory_utilization`` of the GPU's total memory, and the KV cache takes what is left
-    of it after what the process already holds (the weights) and ``ACTIVATION_RESERVE``."""
+def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device, weight_bytes: int = 0) -> int:
+    """Pool size from the cache config: an exact count, an explicit byte budget, or on CUDA vLLM's rule: the
+    engine may use ``gpu_memory_utilization`` of the GPU's total memory, and its KV cache takes what is left of
+    that after its weights (``weight_bytes``: target and head) and ``ACTIVATION_RESERVE``; that must be free."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_reserved(device)
-        util = cfg.gpu_memory_utilization
-        budget = int(total * util) - held - ACTIVATION_RESERVE
-        gib = 2 ** 30
-        if budget + ACTIVATION_RESERVE > free:
-            raise ValueError(
-                f"--gpu-memory-utilization {util} lets this process use {total * util / gib:.1f} GiB of the GPU's "
-                f"{total / gib:.1f} GiB, but only {(free + held) / gib:.1f} GiB are free to it (other processes hold "
-                "the rest): lower --gpu-memory-utilization or give --kv-cache-memory")
+        free, total = torch.cuda.mem_get_info(device)  # free: besides what the weights took already
+        util, gib = cfg.gpu_memory_utilization, 2 ** 30
+        budget = int(total * util) - weight_bytes - ACTIVATION_RESERVE
         if budget <= 0:
             raise ValueError(
                 f"--gpu-memory-utilization {util} ({total * util / gib:.1f} GiB) leaves no room for a KV cache after "
-                f"the weights ({held / gib:.1f} GiB) and {ACTIVATION_RESERVE / gib:.0f} GiB for activations: "
+                f"the weights ({weight_bytes / gib:.1f} GiB) and {ACTIVATION_RESERVE / gib:.0f} GiB for activations: "
                 "raise it or give --kv-cache-memory")
+        if budget + ACTIVATION_RESERVE > free:
+            raise ValueError(
+                f"--gpu-memory-utilization {util} lets this engine use {total * util / gib:.1f} GiB of the GPU's "
+                f"{total / gib:.1f} GiB, but only {(free + weight_bytes) / gib:.1f} GiB are free to it (other engines "
+                "or processes hold the rest): lower --gpu-memory-utilization or give --kv-cache-memory")
     else:
         budget = cfg.cpu_kv_cache_bytes
     n = blocks_for_bytes(budget, per_block)
