@@ -9,6 +9,7 @@ block-table entries point there, so no index is ever garbage.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import deque
 
@@ -81,6 +82,11 @@ def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device, weig
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes
     elif device.type == "cuda":
+        # memory this process no longer uses counts as free: engines dropped but not yet collected (reference
+        # cycles) and blocks PyTorch's allocator keeps cached (an earlier engine's cache, a training run's
+        # activations) go back to the device first
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)  # free: besides what the weights took already
         util, gib = cfg.gpu_memory_utilization, 2 ** 30
         budget = int(total * util) - weight_bytes - ACTIVATION_RESERVE
