@@ -409,3 +409,22 @@ def test_synthesized_prompts_join_training_and_data_files_combine_without_held_o
     assert rep["train_sequences"] == 5 + len(texts)  # six prompts, one held out
     with pytest.raises(ValueError, match="trained on 1 prompt"):
         train(TrainConfig(out=str(tmp_path / "bad"), data=[files[True], str(tmp_path / "syn" / "data.pt")], **common))
+
+
+def test_generation_workers_that_do_not_fit_the_gpu_say_to_use_fewer(monkeypatch):
+    """Each of n --gen-workers engines may use 1/n of 80% of the GPU; an engine that finds no room says so in
+    train-draft's terms (the share's own error stands alone for one worker)."""
+    import types
+
+    import specserve
+    from specserve.train import generate
+
+    def no_room(*args, **kwargs):
+        raise ValueError(f"--gpu-memory-utilization {kwargs['gpu_memory_utilization']} leaves no room")
+
+    monkeypatch.setattr(specserve, "LLM", no_room)
+    cfg = types.SimpleNamespace(target="t", gen_dtype="auto", device="cuda")
+    with pytest.raises(ValueError, match=r"0.1 leaves no room \(train-draft: each of the 8 --gen-workers .*fewer"):
+        generate._shard(cfg, [], 0, 8, generate.RESPOND)
+    with pytest.raises(ValueError, match=r"^--gpu-memory-utilization 0.8 leaves no room$"):
+        generate._shard(cfg, [], 0, 1, generate.RESPOND)

@@ -62,9 +62,10 @@ class LLMEngine:
         # one KV tensor: target layers, then the head's layers
         kv_layers = cfg.num_hidden_layers + (self.head.num_kv_layers if self.head is not None else 0)
         per_block = bytes_per_block(kv_layers, args.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-        weights = [t for m in (self.model, self.head) if m is not None for t in (*m.parameters(), *m.buffers())]
+        # the head shares tensors with the target (RoPE tables, where bound, the embedding): count each once
+        weights = {id(t): t for m in (self.model, self.head) if m is not None for t in (*m.parameters(), *m.buffers())}
         num_blocks = plan_num_blocks(self.cache_config, per_block, self.device,
-                                     sum(t.numel() * t.element_size() for t in weights))
+                                     sum(t.numel() * t.element_size() for t in weights.values()))
         self.kv_cache = KVCache(kv_layers, num_blocks, args.block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, args.block_size)

@@ -96,8 +96,14 @@ def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, work
            kind: str) -> list[tuple[int, object]]:
     from specserve import LLM, SamplingParams
 
-    llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192,
-              gpu_memory_utilization=0.8 / workers)
+    try:  # the workers share one GPU: each may use 1/n of 80% of it, as n vLLM engines would be told
+        llm = LLM(cfg.target, dtype=cfg.gen_dtype, device=cfg.device, max_num_seqs=512, max_num_batched_tokens=8192,
+                  gpu_memory_utilization=0.8 / workers)
+    except ValueError as e:
+        if workers == 1:
+            raise
+        raise ValueError(f"{e} (train-draft: each of the {workers} --gen-workers engines may use "
+                         f"{0.8 / workers:.3f} of the GPU; use fewer workers)") from None
     tok = llm.tokenizer
     seed = cfg.seed if cfg.gen_seed is None else cfg.gen_seed
     stop: list[int] = []

@@ -8,12 +8,19 @@ from pathlib import Path
 from specserve.train.prompts import read_prompts
 
 
+EVAL_KV_BYTES = 4 << 30  # the evaluation engine's KV cache on a GPU
+
+
 def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int, max_tokens: int,
                device=None, dtype: str = "auto") -> dict:
     """Greedy acceptance of ``head_dir`` on chat prompts: acceptance length and per-position acceptance."""
     from specserve import LLM, SamplingParams
+    from specserve.config import resolve_device
 
-    llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128,
+    # a fixed cache on the GPU (the scheduler runs fewer prompts at once where it is short), not a share of
+    # the card: another head may be training on the same GPU (gpu_train_all.sh trains two at once)
+    kv = EVAL_KV_BYTES if resolve_device(device).type == "cuda" else None
+    llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128, kv_cache_memory_bytes=kv,
               speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
     tok = llm.tokenizer
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]

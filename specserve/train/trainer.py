@@ -479,7 +479,7 @@ def train(cfg: TrainConfig) -> dict:
         src = json.loads((Path(cfg.init_from) / "config.json").read_text()).get("specserve_training")
         meta["specserve_training"].update(init_from=str(cfg.init_from), init_from_training=src)
     (save_eagle3_head if cfg.method == "eagle3" else save_mtp_head)(head.eval(), head_dir, meta, dtype=dtype)
-    del target, head, opt
+    del target, head, opt, params  # the evaluation's engine below sizes its cache from the memory left
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
