@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
                                            residual, self.input_layernorm, fold=fold, rows=rows)
             if fold is not None:  # h = (the stream after attention, it times post's weight)
                 return self.mlp.from_stream(post, *h), h[0]
-            return self.mlp.after_norm(post, h, _at_rows(x if residual is None else res, rows))
+            return self.mlp.after_norm(post, h, at_rows(x if residual is None else res, rows))
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -150,10 +150,10 @@ class DecoderLayer(nn.Module):
     def body(self, h, residual, positions, meta, k_cache, v_cache, rows=None):
         """The layer after its input norm: h = normed input stream, residual = the input stream itself."""
         h = self.self_attn.normed(h, positions, meta, k_cache, v_cache, rows=rows)[0]
-        return self.mlp.after_norm(self.post_attention_layernorm, h, _at_rows(residual, rows))
+        return self.mlp.after_norm(self.post_attention_layernorm, h, at_rows(residual, rows))
 
 
-def _at_rows(x: torch.Tensor, rows) -> torch.Tensor:
+def at_rows(x: torch.Tensor, rows) -> torch.Tensor:
     """x [T, ...] at ``rows``' flat tokens [N, ...] (x itself without ``rows``)."""
     return x if rows is None else x[rows[0]]
 

@@ -23,7 +23,7 @@ from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT
 from specserve.models.attention import AttentionMetadata
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear, normed_argmax, normed_logits
-from specserve.models.llama import Attention, DecoderLayer
+from specserve.models.llama import Attention, DecoderLayer, at_rows
 
 
 @dataclass
@@ -147,22 +147,15 @@ class DraftHead(nn.Module):
         kv0 = kv[self.kv_layer(0)]
         if os.environ.get("SPECSERVE_DRAFT_ROWS", "last") == "all":
             return self.run_module(0, ids, x.positions, h, x.meta, kv0)[x.last_idx]
-        rows = _arange(x.last_idx.shape[0], x.last_idx.device)
-        layout = AttentionMetadata(
-            slot_mapping=x.meta.slot_mapping[:0], block_tables=x.block_tables, query_index=rows[:, None],
-            query_pos=x.last_pos[:, None], flat_index=rows, sliding_window=x.meta.sliding_window,
-            backend=x.meta.backend)  # nothing writes through it: the KV is written over all T tokens
+        # nothing writes through this layout: step 0's KV is written over all T tokens
+        layout = _one_query_layout(x, x.last_pos, x.meta.slot_mapping[:0])
         return self.run_module(0, ids, x.positions, h, x.meta, kv0, rows=(x.last_idx, layout))
 
     def chain_layout(self, x: DraftInputs) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]:
         """Positions, cache slots and attention layout of chain steps 1..D-1 (the worker computes the positions
         and slots of all steps at once, ``kernels.draft_inputs``): step k writes at last_pos + k."""
-        rows = _arange(x.last_pos.shape[0], x.last_pos.device)
         pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
-        return [(pos_t[k], slot_t[k], AttentionMetadata(
-            slot_mapping=slot_t[k], block_tables=x.block_tables, query_index=rows[:, None], query_pos=pos_t[k, :, None],
-            flat_index=rows, sliding_window=x.meta.sliding_window, backend=x.meta.backend))
-            for k in range(x.num_drafts - 1)]
+        return [(pos_t[k], slot_t[k], _one_query_layout(x, pos_t[k], slot_t[k])) for k in range(x.num_drafts - 1)]
 
     def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
         """Returns drafts [B, D] (target ids)."""
@@ -200,7 +193,7 @@ class Eagle3Layer(nn.Module):
         # the input [N, 2H], cat(input_layernorm(embed), hidden_norm(hidden)), built inside the qkv projection
         # where its kernel applies
         post = self.post_attention_layernorm
-        stream = hidden if rows is None else hidden[rows[0]]  # the stream at the output's rows
+        stream = at_rows(hidden, rows)  # the stream at the output's rows
         fold = post if self.mlp.norm_folds(stream) else None  # a step of many rows: see SwiGLU.norm_folds
         x, _ = self.self_attn.normed(hidden, positions, meta, k_cache, v_cache, EMBED_CAT, None, self.hidden_norm,
                                      (ids, table, self.input_layernorm), fold=fold, stream=stream, rows=rows)
@@ -335,6 +328,14 @@ class MTPHead(DraftHead):
             ext[rows, col] = torch.where(x.draft_ok, tok, ext[rows, col])
             h = out
         return torch.stack(drafts, dim=1)
+
+
+def _one_query_layout(x: DraftInputs, pos: torch.Tensor, slots: torch.Tensor) -> AttentionMetadata:
+    """The attention layout of a draft step with one query per row: row b's query at pos [B], written at slots."""
+    rows = _arange(pos.shape[0], pos.device)
+    return AttentionMetadata(slot_mapping=slots, block_tables=x.block_tables, query_index=rows[:, None],
+                             query_pos=pos[:, None], flat_index=rows, sliding_window=x.meta.sliding_window,
+                             backend=x.meta.backend)
 
 
 _ARANGE: dict = {}
