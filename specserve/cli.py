@@ -238,7 +238,10 @@ def _bench_parser(sub) -> None:
                    help="prompt files: JSONL/JSON with {prompt} (HumanEval too), {turns} (MT-bench), ShareGPT, ...")
     b.add_argument("--random-input-len", type=int, default=None, help="random token-id prompts of this length")
     b.add_argument("--num-prompts", type=int, default=64)
-    b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="requests submitted together")
+    b.add_argument("--batch-size", "--max-concurrency", dest="batch_size", type=int, nargs="+", default=[1],
+                   metavar="N", help="requests in flight at once (continuous batching: max(N, --num-prompts) requests "
+                                     "are submitted, at most N run together, a finished one's slot goes to the next); "
+                                     "one measurement per value")
     b.add_argument("--max-tokens", type=int, default=256)
     b.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly --max-tokens per request (default: stop at end of sequence, as users do)")

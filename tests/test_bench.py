@@ -130,3 +130,11 @@ def test_bench_stops_at_end_of_sequence_like_transformers(dirs, tmp_path):
         [(r["engine"], r["batch"], r["new_tokens"]) for r in rows]
     rows = run_bench(BenchConfig(**dict(base, ignore_eos=True, compare=[])))["rows"]
     assert all(r["new_tokens"] == 12 for r in rows)
+
+
+def test_max_concurrency_is_vllms_spelling_of_batch_size():
+    from specserve.cli import build_parser
+
+    a = build_parser().parse_args(["bench", "--max-concurrency", "1", "8"])
+    assert a.batch_size == [1, 8]
+    assert build_parser().parse_args(["bench", "--batch-size", "4"]).batch_size == [4]
