@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -236,6 +237,8 @@ def _bench_parser(sub) -> None:
                         "shapes); default: the embedded SmolLM2-135M-Instruct")
     b.add_argument("--prompts", nargs="*", default=[],
                    help="prompt files: JSONL/JSON with {prompt} (HumanEval too), {turns} (MT-bench), ShareGPT, ...")
+    b.add_argument("--no-chat-template", action="store_true",
+                   help="send file prompts as raw text (default: through the model's chat template, if it has one)")
     b.add_argument("--random-input-len", type=int, default=None, help="random token-id prompts of this length")
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--batch-size", "--max-concurrency", dest="batch_size", type=int, nargs="+", default=[1],
@@ -279,7 +282,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           ignore_eos=a.ignore_eos, speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
-                          kv_cache_memory_bytes=a.kv_cache_memory, out=None)
+                          kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
+                          command=a.command_line, out=None)
         if a.steps:
             from specserve.bench.run import check_steps
             from specserve.config import resolve_device
@@ -302,6 +306,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    a.command_line = shlex.join(["specserve", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if a.command == "generate":

@@ -138,3 +138,29 @@ def test_max_concurrency_is_vllms_spelling_of_batch_size():
     a = build_parser().parse_args(["bench", "--max-concurrency", "1", "8"])
     assert a.batch_size == [1, 8]
     assert build_parser().parse_args(["bench", "--batch-size", "4"]).batch_size == [4]
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def test_roofline_bytes_count_what_a_step_reads(dirs, tmp_path):
+    from specserve import LLM
+    from specserve.bench.steps import target_read_bytes
+
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32",
+              speculative_config=dict(method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=3))
+    m, h = llm.engine.model, llm.engine.head
+    # an untied input embedding is read one row per token: not counted; the output layer is
+    assert m.lm_head is not None
+    assert target_read_bytes(m) == _nbytes(m.parameters()) - _nbytes([m.embed_tokens.weight])
+    # EAGLE-3 drafting over the target's lm_head: fc once, then the layer, its norm and that lm_head every step
+    per_step = _nbytes(h.midlayer.parameters()) + _nbytes(h.norm.parameters()) + _nbytes([m.lm_head.weight])
+    assert h.draft_read_bytes(3, rows=2) == _nbytes(h.fc.parameters()) + 3 * per_step
+    # vanilla MTP: step k runs module k once (its own output layer inside it)
+    make_head(tmp_path / "mtp", dirs / "target", "mtp", num_modules=2, own_head=True)
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32",
+              speculative_config=dict(method="mtp", draft_model=str(tmp_path / "mtp"), max_draft_len=2,
+                                      mtp_eagle=False))
+    h = llm.engine.head
+    assert not h.eagle and h.draft_read_bytes(2, rows=2) == _nbytes(h.parameters())

@@ -13,7 +13,13 @@ def _f(x, fmt=".1f") -> str:
 def table(result: dict) -> str:
     """The rows as a markdown table, then the ratios and step timings."""
     meta = result["meta"]
-    lines = [f"model {meta['model']} · {meta['device']} · torch {meta['torch']} · {meta['date']}", "",
+    versions = meta.get("versions") or {"torch": meta.get("torch")}
+    lines = [f"model {meta['model']} · {meta['device']} · {meta['date']}",
+             " · ".join(f"{k} {v}" for k, v in versions.items() if v is not None)
+             + (f" · commit {meta['commit']}" if meta.get("commit") else "")]
+    if meta.get("command"):
+        lines.append(f"`{meta['command']}`")
+    lines += ["",
              "| engine | spec | batch | new tok | tok/s | AL | per-position | TTFT p50/p90/p99 ms | "
              "TPOT p50/p90/p99 ms | weight GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -26,6 +32,10 @@ def table(result: dict) -> str:
         bw = _f(r.get("achieved_weight_gbps"), ".0f")
         lines.append(f"| {r['engine']} | {spec} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} | "
                      f"{al} | {pp} | {ttft} | {tpot} | {bw} |")
+    for k, v in meta.items():
+        if k.endswith("_error"):  # a baseline that could not run
+            msg = (str(v).splitlines() or [""])[0].replace("|", "/")[:200]
+            lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | |")
     if result.get("ratios"):
         lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.2f}x |" for k, v in result["ratios"].items()]
@@ -34,7 +44,10 @@ def table(result: dict) -> str:
                       f"(CUDA-graph replays, median; copy bandwidth {s['copy_bandwidth_gbps']:.0f} GB/s):", "",
                   "| piece | ms | roofline ms | ratio |", "|---|---|---|---|",
                   f"| decode step | {s['decode_ms']:.3f} | {s['decode_roofline_ms']:.3f} | "
-                  f"{s['decode_fraction_of_roofline']:.0%} of roofline |",
+                  f"{s['decode_fraction_of_roofline']:.0%} of roofline"
+                  + (f" ({s['decode_fraction_of_all_weights_roofline']:.0%} counting every weight)"
+                     if s.get("decode_fraction_of_all_weights_roofline", s['decode_fraction_of_roofline'])
+                     != s['decode_fraction_of_roofline'] else "") + " |",
                   f"| verify step (1 + D tokens) | {s['verify_ms']:.3f} | - | {s['verify_over_decode']:.2f}x decode |",
                   f"| draft loop (+ acceptance) | {s['draft_loop_ms']:.3f} | {s['draft_loop_roofline_ms']:.3f} | "
                   f"{s['draft_loop_over_roofline']:.2f}x roofline |",

@@ -50,6 +50,7 @@ class BenchConfig:
     kv_cache_memory_bytes: int | None = None
     chat_template: bool = True
     seed: int = 0
+    command: str | None = None  # the command line, recorded in the outputs
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -117,10 +118,6 @@ def _spec_config(cfg: BenchConfig) -> dict | None:
     return spec
 
 
-def weight_bytes(module: torch.nn.Module, exclude: set[int] = frozenset()) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in exclude)
-
-
 def median_rounds(rows: list[dict]) -> list[dict]:
     """Rows of several rounds -> per (speculative, batch) the round with the median tokens/s, with every round's
     tokens/s in ``round_tokens_per_s`` (in round order). One round: the rows as they are."""
@@ -138,6 +135,7 @@ def median_rounds(rows: list[dict]) -> list[dict]:
 
 def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "") -> list[dict]:
     from specserve import LLM, SamplingParams
+    from specserve.bench.steps import target_read_bytes
     from specserve.core.metrics import SpecStats
 
     max_b = max(cfg.batch_sizes)
@@ -154,16 +152,14 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     llm = LLM(cfg.model, **kw)
     eng = llm.engine
     dev = eng.device
-    target_bytes = weight_bytes(eng.model)
-    head_bytes = 0
-    if eng.head is not None:
-        shared = {id(p) for p in eng.model.parameters()}
-        head_bytes = weight_bytes(eng.head, shared)
+    target_bytes = target_read_bytes(eng.model)  # read once per engine step
+    head = eng.head
     sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
     rows = []
     for b in cfg.batch_sizes:
         batch = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(max(b, len(prompt_ids)))]
         eng.scheduler.cfg.max_num_seqs = b  # at most b requests in flight (the engine was sized for the largest)
+        head_bytes = head.draft_read_bytes(cfg.draft_len, b) if head is not None else 0  # per draft loop
         runs = []
         for r in range(cfg.repeats + 1):  # the first is the warm-up
             eng.spec_stats = SpecStats()
@@ -193,7 +189,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                    ttft_ms={p: _pct(ttft, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
                    tpot_ms={p: _pct(tpot, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
                    weight_bytes=target_bytes + head_bytes,
-                   # weights read once per engine step (KV reads not counted): a lower bound on traffic
+                   # weight bytes read per engine step (target once, the draft loop's D steps; KV reads not
+                   # counted): a lower bound on traffic
                    achieved_weight_gbps=(target_bytes + head_bytes) * med["steps"] / med["seconds"] / 1e9,
                    first_tokens=outs[0].token_ids[:16],
                    graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0)
@@ -338,9 +335,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             log.warning("%s baseline failed: %s", c, e)
             extras[f"{c}_error"] = f"{type(e).__name__}: {e}"
     bw = copy_bandwidth(dev)
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=_device_name(dev), torch=torch.__version__,
-                model=str(cfg.model or "default"), dtype=cfg.dtype, copy_bandwidth_gbps=bw, config=asdict(cfg),
-                **extras)
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=_device_name(dev), command=cfg.command,
+                commit=_git_commit(), versions=_versions(bool(cfg.compare)), model=str(cfg.model or "default"),
+                dtype=cfg.dtype, copy_bandwidth_gbps=bw, config=asdict(cfg), **extras)
     result = dict(meta=meta, rows=rows, ratios=_ratios(rows))
     if cfg.out:
         from specserve.bench.report import write_outputs
@@ -361,6 +358,39 @@ def _prompts_for(cfg: BenchConfig, mcfg):
         path = resolve_model_path(cfg.model)
         tok = Tokenizer.from_gguf(path) if path.is_file() else Tokenizer.from_folder(path)
     return load_prompt_ids(cfg, tok, mcfg.vocab_size), tok
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` for uncommitted changes) when specserve runs from one."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if sha.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions(with_transformers: bool) -> dict:
+    import specserve
+
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    out = dict(specserve=specserve.__version__, torch=torch.__version__,
+               triton=getattr(triton, "__version__", None), cuda=torch.version.cuda)
+    if with_transformers:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    return out
 
 
 def _device_name(dev: torch.device) -> str:

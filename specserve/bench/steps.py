@@ -5,7 +5,10 @@ them (device events, median): a plain decode step (target forward for 1 token pe
 sampling), a verify step (target forward for 1 + D tokens per row + lm_head at every position), and the
 speculative engine's own captured step (verify + acceptance + the whole draft loop). The draft loop's time
 is the speculative step minus the verify step. Rooflines: weight bytes over the device-to-device copy
-bandwidth measured in the same run (bytes read + written), i.e. reading every weight once per step.
+bandwidth measured in the same run (bytes read + written) of the weight bytes a step reads: every target
+weight once, except an input embedding not tied to the output layer (a step reads one row of it per token;
+the JSON also gives the fraction over all weights), and for the draft loop each draft step's modules and
+output layer (``DraftHead.draft_read_bytes``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ import torch
 
 from specserve.runner.model_runner import GraphLayout, ModelRunner
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def target_read_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes a target forward reads: all, less an untied input embedding (one row per token)."""
+    skip = {id(model.embed_tokens.weight)} if model.lm_weight() is not model.embed_tokens.weight else set()
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50, warmup: int = 5) -> float:
@@ -104,17 +113,17 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
     for r in rids:
         eng.abort_request(r)
 
-    target_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
-    shared = {id(p) for p in eng.model.parameters()}
-    head_params = [(n, p) for n, p in runner.head.named_parameters() if id(p) not in shared]
-    head_bytes = sum(p.numel() * p.element_size() for _, p in head_params)
-    fc_bytes = sum(p.numel() * p.element_size() for n, p in head_params if n.startswith("fc."))
+    target_bytes = target_read_bytes(eng.model)
+    all_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     bw = bandwidth_gbps * 1e9
     decode_roof = target_bytes / bw * 1e3
     draft_loop_ms = spec_ms - verify_ms
-    draft_roof = (d * (head_bytes - fc_bytes) + fc_bytes) / bw * 1e3
+    draft_bytes = runner.head.draft_read_bytes(d, batch)
+    draft_roof = draft_bytes / bw * 1e3
     return dict(batch=batch, context=context, draft_len=d, decode_ms=decode_ms, verify_ms=verify_ms,
-                spec_step_ms=spec_ms, draft_loop_ms=draft_loop_ms, target_bytes=target_bytes, head_bytes=head_bytes,
+                spec_step_ms=spec_ms, draft_loop_ms=draft_loop_ms, target_bytes=target_bytes,
+                target_all_weight_bytes=all_bytes, draft_loop_bytes=draft_bytes,
                 decode_roofline_ms=decode_roof, decode_fraction_of_roofline=decode_roof / decode_ms,
+                decode_fraction_of_all_weights_roofline=all_bytes / bw * 1e3 / decode_ms,
                 verify_over_decode=verify_ms / decode_ms, draft_loop_roofline_ms=draft_roof,
                 draft_loop_over_roofline=draft_loop_ms / draft_roof, copy_bandwidth_gbps=bandwidth_gbps)

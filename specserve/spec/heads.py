@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
-from specserve.kernels.gemv import quantize_rows
+from specserve.kernels.gemv import gemv_enabled, quantize_rows
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT
 from specserve.models.attention import AttentionMetadata
@@ -91,6 +91,30 @@ class DraftHead(nn.Module):
     def output_layer(self, step: int) -> tuple[RMSNorm, torch.Tensor]:
         """The final norm and output projection [V', H] of draft step ``step``."""
         raise NotImplementedError
+
+    def step_modules(self, step: int) -> list[nn.Module]:
+        """The modules draft step ``step`` runs besides its output layer (its embedding reads one row per token)."""
+        raise NotImplementedError
+
+    def draft_read_bytes(self, draft_len: int, rows: int = 1) -> int:
+        """Weight bytes a draft loop of ``draft_len`` steps over ``rows`` rows reads: each step's modules and
+        output layer (own, the target's or its rows; as the int8 copy where one row reads that), embeddings
+        not counted (one row each per token). A roofline's bytes."""
+        total = 0
+        for step in range(draft_len):
+            norm, w = self.output_layer(step)
+            params = {id(p): p for m in (*self.step_modules(step), norm) for p in m.parameters()}
+            params.pop(id(w), None)
+            total += sum(p.numel() * p.element_size() for p in params.values()) + self._output_bytes(w, rows)
+        return total
+
+    def _output_bytes(self, w: torch.Tensor, rows: int) -> int:
+        """Bytes one draft step reads of its output layer ``w`` [V', H] (``normed_logits`` / ``normed_argmax``)."""
+        with torch.inference_mode():
+            one_row = rows == 1 and gemv_enabled(w.new_empty(1, w.shape[1]), w.shape[1])
+        if one_row and self.int8_output(w) is not None:
+            return w.numel() + 4 * w.shape[0]  # int8 rows and a float32 scale each
+        return w.numel() * w.element_size()
 
     def raw_logits(self, step: int, out: torch.Tensor) -> torch.Tensor:
         """out [..., H] -> logits over the head's vocabulary [..., V'] in the compute dtype (argmax needs no
@@ -232,6 +256,9 @@ class Eagle3Head(DraftHead):
     def output_layer(self, step):
         return self.norm, self.lm_weight()
 
+    def step_modules(self, step):
+        return [self.fc, self.midlayer] if step == 0 else [self.midlayer]
+
     def lm_weight(self) -> torch.Tensor:
         """The output layer [V', H]: own, the target's, or the target's rows of the draft vocabulary (``derived``
         from the target's weight and d2t)."""
@@ -299,6 +326,9 @@ class MTPHead(DraftHead):
 
     def run_module(self, step, ids, positions, hidden, meta, kv, rows=None):
         return self.module(step)(ids, self.embed_table(), hidden, positions, meta, *kv, rows=rows)
+
+    def step_modules(self, step):
+        return [self.module(step)]
 
     def output_layer(self, step):
         mod = self.module(step)
