@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag]
-#                                [host2] [programs] [int8] [lmhead] [tune] [gemvab] [ab]
+#                                [host2] [programs] [int8] [lmhead] [tune] [gemvab] [ab] [bars] [scaleall] [attnbench]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests);
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
@@ -24,6 +24,9 @@
 # the machine through /root/choice.env); gemvab (bench_gemv.py with the weights loaded after / before the
 # prologue) 2 x 100; ab (random weights, step replays; each of AB_VARS, default SPECSERVE_GEMV_WFIRST
 # SPECSERVE_QKV_ROPE, set to each of AB_VALS, default 0 then 1, the others at their defaults) 2 x 100 per variable; lmhead (a draft step's output layer: int8 launch sweep over the whole vocabulary and 32,768 rows, and the speculative step's graph profile) ~200.
+# bars (~320 s: transformers eager, 8 prompts x 256 tokens x 4 runs at ~45 tok/s, is most of it): every batch-1
+# bar side by side in one run, every engine generating exactly 256 tokens; scaleall (~150 s): the 8B shapes at
+# batches 1, 8, 32 and 64 with step replays; attnbench (~150 s): bench_attention.py alone.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -53,7 +56,8 @@ for st in $stages; do
              --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput 2>&1 | quiet | tail -16 ;;
     attention) SPECSERVE_TEST_GGUF=$M timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
                -k check_attention 2>&1 | tail -5
-             timeout 110 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
+             timeout 200 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
+    attnbench) timeout 200 python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 | grep -v Warning | tail -20 ;;
     spec16) timeout 180 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --steps 1 --out $OUT/spec16 2>&1 | quiet | tail -22 ;;
     humaneval) timeout $((40 + 100 * ${ROUNDS:-1})) python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
@@ -124,6 +128,13 @@ for st in $stages; do
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \
              --max-tokens 128 --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
              | tee $OUT/scale1.log | quiet | tail -30 ;;
+    bars) timeout 500 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --max-tokens 256 --ignore-eos --num-prompts 8 --repeats 3 --compare hf hf-compile --out $OUT/bars 2>&1 \
+             | quiet | tail -22 ;;
+    scaleall) timeout 300 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
+             --forced-acceptance ${FORCED:-1.60} --ignore-eos --random-input-len 512 --batch-size 1 8 32 64 \
+             --max-tokens 128 --num-prompts 8 --repeats 3 --kv-cache-memory 24000000000 --steps 1 \
+             --out $OUT/scaleall 2>&1 | quiet | tail -30 ;;
     scale) timeout 300 python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random --draft-len 4 \
              --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 8 32 64 --max-tokens 128 \
              --repeats 3 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale 2>&1 | quiet | tail -30 ;;

@@ -259,3 +259,30 @@ def test_prefill_layout_keeps_padding_positions_inside_the_context(dirs):
         layouts.clear()
         llm.generate([{"prompt_token_ids": list(range(3, 3 + n))}], params)
         assert (layouts[0] is None) == (n == 33) and (n == 33 or layouts[0].q == 32), (n, layouts[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", [False, True], ids=["no-spec", "eagle3-shipped"])
+def test_default_model_bf16_graphs_equal_eager_at_padded_batches(spec):
+    """The real model in bf16, where row counts pick kernels (few-row Triton kernels up to 8 rows, cuBLAS
+    beyond): batches of 3 and 6 run padded to 4 and 8 rows in graphs (a verify step: 20 / 40 rows against
+    15 / 30 eager) and must give the eager engine's tokens."""
+    import os
+
+    from specserve.bench.prompts import DEFAULT_PROMPTS
+    from specserve.heads import default_speculative_config
+    from specserve.loaders import default_model_path
+
+    path = os.environ.get("SPECSERVE_TEST_GGUF") or str(default_model_path())
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    msgs = [[{"role": "user", "content": p}] for p in DEFAULT_PROMPTS[:6]]
+    for n in (3, 6):
+        outs = []
+        for eager in (True, False):
+            llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 28, enforce_eager=eager,
+                      speculative_config=default_speculative_config("eagle3") if spec else None)
+            outs.append([o.token_ids for o in llm.chat(msgs[:n], sp)])
+            assert eager or llm.engine.runner.graphs.num_captured > 0
+            del llm
+        assert outs[1] == outs[0], n
