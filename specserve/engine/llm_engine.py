@@ -38,7 +38,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # of the GPU's total memory, as vLLM
     num_kv_blocks: int | None = None
     speculative_config: SpeculativeConfig | dict | None = None
-    enforce_eager: bool = False  # True: no CUDA graphs (they are used on CUDA only)
+    enforce_eager: bool = False  # True: no CUDA graphs (used on CUDA only); steps keep the graphs' padded layouts
     max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
     attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
 
@@ -85,8 +85,9 @@ class LLMEngine:
         self.thinking_tokens = self._thinking_tokens()
         if args.attention_backend not in ("auto", "triton", "sdpa"):
             raise ValueError(f"attention_backend must be auto, triton or sdpa, got {args.attention_backend!r}")
-        graph_rows = 0 if args.enforce_eager else min(args.max_num_seqs, args.max_cuda_graph_batch_size)
+        graph_rows = min(args.max_num_seqs, args.max_cuda_graph_batch_size)
         runner_kwargs = dict(max_model_len=max_len, cuda_graph_max_rows=graph_rows,
+                             capture_graphs=not args.enforce_eager,
                              attention_backend=args.attention_backend,
                              max_num_batched_tokens=args.max_num_batched_tokens)
         if self.head is None:

@@ -237,7 +237,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
-                 attention_backend: str = "auto", max_num_batched_tokens: int = 0) -> None:
+                 attention_backend: str = "auto", max_num_batched_tokens: int = 0,
+                 capture_graphs: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_views = kv_cache.layer_views()[:model.config.num_hidden_layers]
@@ -256,7 +257,9 @@ class ModelRunner:
         self._ints = _Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 4),
                                                        6 * max_num_batched_tokens) * 2)
         self._floats = _Staging(torch.float32, device, 8 * rows)
-        self.graphs = CudaGraphs(rows, self._staging_buffers()) if rows else None
+        # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
+        # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
+        self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
         # a graph step's upload captured in its graph as a copy node, so a replay needs no copy call from the
         # host (24-33 µs per step on the H200 machine's host; tokens/s +5% at batch 1 there, BENCHMARKS.md ninth
         # session); SPECSERVE_GRAPH_UPLOAD=0 makes the copy from the host instead
