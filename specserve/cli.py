@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default=None)
     tr.add_argument("--eval-draft-len", type=int, default=4)
-    tr.add_argument("--eval-max-prompts", type=int, default=64)
+    tr.add_argument("--eval-max-prompts", type=int, default=0,
+                    help="evaluate on at most this many prompts of each set (default 0: all of them)")
     tr.add_argument("--eval-max-tokens", type=int, default=256)
     tr.add_argument("--time-limit", type=float, default=None,
                     help="stop training after this many seconds (counted over resumes; the LR decays over it)")
@@ -366,7 +367,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
         report = train(cfg)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad options, unreadable or missing files
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     if report.get("paused"):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specserve import LLM, SamplingParams
 from specserve.train.attention import DenseCausal, TrainingTimeTest
@@ -104,6 +105,12 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     rep2 = train(TrainConfig(method="mtp", out=str(tmp_path / "mtp"), data=str(tmp_path / "e3" / "data.pt"),
                              **dict(common, steps=20)))
     assert rep2["train_sequences"] == rep["train_sequences"]
+    hist = rep2["history"]
+    assert sum(h["loss"] for h in hist[-2:]) < sum(h["loss"] for h in hist[:2]) - 0.2
+    mtp = LLM(str(dirs / "target"), device="cpu", dtype="float32",
+              speculative_config=dict(method="mtp", draft_model=str(tmp_path / "mtp" / "head"), max_draft_len=3))
+    assert mtp.generate("Hello world", sp)[0].token_ids == plain.generate("Hello world", sp)[0].token_ids
+    assert mtp.engine.spec_stats.num_drafted > 0
     again = train(TrainConfig(method="mtp", out=str(tmp_path / "mtp"), data=str(tmp_path / "e3" / "data.pt"),
                               **dict(common, steps=30)))
     assert again["history"][0]["step"] == 0 and again["history"][-1]["step"] == 29
@@ -312,6 +319,11 @@ def test_stop_after_pauses_and_the_time_budget_spans_resumes(dirs, tmp_path):
     assert rep["paused"] and rep["step"] == 0 and not (tmp_path / "o" / "head").exists()
     rep = train(TrainConfig(steps=6, **base))  # resumes and finishes
     assert [h["step"] for h in rep["history"]] == list(range(6)) and (tmp_path / "o" / "head").is_dir()
+    # seeded: the paused and resumed run trains the same head as one that ran through
+    whole = train(TrainConfig(steps=6, **dict(base, out=str(tmp_path / "whole"))))
+    assert [h["loss"] for h in whole["history"]] == [h["loss"] for h in rep["history"]]
+    a, b = (load_file(tmp_path / d / "head" / "model.safetensors") for d in ("o", "whole"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     trained = torch.load(tmp_path / "o" / "checkpoint.pt")["train_seconds"]
     assert rep["train_seconds"] >= trained > 0
     # the same run with more steps but a budget already spent: stops at once instead of training on
@@ -348,14 +360,34 @@ def test_bfloat16_target_features_train_the_float32_head(dirs, method):
     assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=0.03)
 
 
-def test_resume_with_other_aux_layers_is_refused(dirs, tmp_path):
+def test_resume_with_options_that_would_not_apply_is_refused(dirs, tmp_path):
+    """The cached data and the checkpoint fix what a resumed run trains on and what it trains: options that
+    change them are refused (and the run's recorded options kept); steps and time limits may change."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(4)))
-    base = dict(target=str(dirs / "target"), method="eagle3", prompts=[str(prompts)], out=str(tmp_path / "o"),
-                device="cpu", gen_max_tokens=4, batch_size=2, steps=2)
-    train(TrainConfig(stop_after=0.0, aux_layers=(1, 3, 6), **base))
-    with pytest.raises(ValueError, match="same --aux-layers"):
-        train(TrainConfig(aux_layers=(0, 3, 6), **base))
+    base = dict(target=str(dirs / "target"), prompts=[str(prompts)], out=str(tmp_path / "o"),
+                device="cpu", gen_max_tokens=4, batch_size=2, steps=2, eval_max_tokens=2)
+    train(TrainConfig(stop_after=0.0, method="eagle3", aux_layers=(1, 3, 6), **base))
+    for bad, flag in ((dict(method="eagle3", aux_layers=(0, 3, 6)), "--aux-layers"),
+                      (dict(method="mtp"), "--method"),
+                      (dict(method="eagle3", aux_layers=(1, 3, 6), gen_temperature=0.9), "--gen-temperature")):
+        with pytest.raises(ValueError, match=f"{flag} .*resume with the same options"):
+            train(TrainConfig(**bad, **base))
+    assert json.loads((tmp_path / "o" / "train_config.json").read_text())["method"] == "eagle3"
+    rep = train(TrainConfig(method="eagle3", aux_layers=(1, 3, 6), time_limit=60.0, **base))
+    assert rep["steps_done"] == 2
+
+
+def test_a_missing_eval_file_or_a_file_as_out_fails_before_anything_runs(dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n")
+    base = dict(target=str(dirs / "target"), method="mtp", prompts=[str(prompts)], device="cpu")
+    with pytest.raises(ValueError, match="typo.jsonl' not found"):
+        train(TrainConfig(out=str(tmp_path / "o"), eval_prompts=[str(tmp_path / "typo.jsonl")], **base))
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        train(TrainConfig(out=str(tmp_path / "file"), **base))
 
 
 

@@ -24,7 +24,8 @@ def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int
               speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
     tok = llm.tokenizer
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]
-    outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), raise_on_error=False)
+    outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True,
+                        raise_on_error=False)
     stats = llm.engine.spec_stats
     return {"prompts": len(prompts), "generated_tokens": sum(len(o.token_ids) for o in outs),
             "acceptance_length": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
@@ -33,13 +34,25 @@ def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int
 
 def evaluate(cfg, head_dir: Path, holdout: list[str]) -> dict:
     """Acceptance on the held-out part of the training prompt files and on each extra eval file."""
+    n = cfg.eval_max_prompts or None  # 0: every prompt of each set
     sets = {}
     if holdout:
-        sets["holdout"] = holdout[:cfg.eval_max_prompts]
+        sets["holdout"] = holdout[:n]
     for f in cfg.eval_prompts:
-        sets[Path(f).name] = read_prompts([f])[:cfg.eval_max_prompts]
+        sets[Path(f).name] = read_prompts([f])[:n]
     return {name: acceptance(cfg.target, cfg.method, head_dir, ps, cfg.eval_draft_len, cfg.eval_max_tokens,
                              cfg.device) for name, ps in sets.items()}
+
+
+def _smooth(ys: list[float], frac: float = 0.03) -> list[float]:
+    """Trailing mean over about ``frac`` of the points (at least 1), NaNs skipped: the trend under the noise of
+    single batches."""
+    w = max(1, int(len(ys) * frac))
+    out = []
+    for i in range(len(ys)):
+        win = [y for y in ys[max(0, i - w + 1):i + 1] if y == y]
+        out.append(sum(win) / len(win) if win else float("nan"))
+    return out
 
 
 def write_report(out: Path, report: dict) -> None:
@@ -54,9 +67,10 @@ def write_report(out: Path, report: dict) -> None:
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
         steps = [h["step"] for h in hist]
         for k in range(len(hist[-1]["losses"])):
-            a.plot(steps, [h["losses"][k] if k < len(h["losses"]) else float("nan") for h in hist],
-                   label=f"draft step {k}")
-            b.plot(steps, [h["acc"][k] if k < len(h["acc"]) else float("nan") for h in hist], label=f"draft step {k}")
+            for ax, key in ((a, "losses"), (b, "acc")):
+                ys = [h[key][k] if k < len(h[key]) else float("nan") for h in hist]
+                line, = ax.plot(steps, ys, alpha=0.25, linewidth=0.8)  # each logged batch
+                ax.plot(steps, _smooth(ys), color=line.get_color(), label=f"draft step {k}")
         a.set(xlabel="training step", ylabel="soft cross-entropy", title="loss per unrolled draft step")
         b.set(xlabel="training step", ylabel="top-1 agreement with target", title="training agreement")
         a.legend()
@@ -71,8 +85,10 @@ def write_report(out: Path, report: dict) -> None:
         for i, (name, e) in enumerate(evals.items()):
             pos = e["per_position_acceptance"]
             al = e["acceptance_length"]  # None when the set ran no speculative step (outputs of 1 token)
-            ax.bar([j + i * width for j in range(len(pos))], pos, width,
+            ax.bar([j + 1 + (i - (len(evals) - 1) / 2) * width for j in range(len(pos))], pos, width,
                    label=f"{name} (AL {'n/a' if al is None else f'{al:.2f}'})")
+        d = max(len(e["per_position_acceptance"]) for e in evals.values())
+        ax.set_xticks(range(1, d + 1))
         ax.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1),
                title="per-position acceptance on held-out prompts (greedy)")
         ax.legend()

@@ -74,7 +74,7 @@ class TrainConfig:
     stop_after: float | None = None  # seconds of this invocation's training loop after which it checkpoints and exits
     log_every: int = 10
     eval_draft_len: int = 4
-    eval_max_prompts: int = 64
+    eval_max_prompts: int = 0  # 0: every prompt of each evaluation set
     eval_max_tokens: int = 256
     export_dtype: str = "bfloat16"
 
@@ -345,6 +345,34 @@ def _lr(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+# options that shape the regenerated data (prompts_split.json, data.pt) and the head's layout (checkpoint.pt):
+# a run resumed in the same --out must keep them (steps, learning rate and time limits may change)
+DATA_OPTIONS = ("target", "prompts", "max_prompts", "holdout", "seed", "gen_max_tokens", "gen_temperature",
+                "gen_seed", "gen_dtype", "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens",
+                "synthetic_openers")
+HEAD_OPTIONS = ("target", "method", "data", "draft_vocab", "draft_vocab_shared", "aux_layers")
+
+
+def check_resume(cfg: TrainConfig, out: Path) -> None:
+    """Refuse to resume the run in ``out`` with options that would silently not apply: its cached data was made
+    with other data options, or its checkpoint holds a head of another layout."""
+    prev_path = out / "train_config.json"
+    if not prev_path.is_file():
+        return
+    prev = json.loads(prev_path.read_text())
+    now = json.loads(json.dumps(asdict(cfg)))  # tuples as lists, as the file holds them
+    keys: list[str] = []
+    if not cfg.data and ((out / "prompts_split.json").is_file() or (out / "data.pt").is_file()):
+        keys += DATA_OPTIONS
+    if (out / "checkpoint.pt").is_file():
+        keys += HEAD_OPTIONS
+    diff = [k for k in dict.fromkeys(keys) if k in prev and prev[k] != now.get(k)]
+    if diff:
+        was = ", ".join(f"--{k.replace('_', '-')} {prev[k]!r} (now {now.get(k)!r})" for k in diff)
+        raise ValueError(f"{out} holds a run made with {was}: its cached data or checkpoint would not follow; "
+                         "resume with the same options, or use another --out")
+
+
 def _save_checkpoint(path: Path, head: DraftHead, opt, next_step: int, history: list, seconds: float) -> None:
     torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": next_step, "history": history,
                 "train_seconds": seconds, "aux_layers": list(head.aux_layers)}, path)
@@ -360,8 +388,13 @@ def train(cfg: TrainConfig) -> dict:
         eagle3_layers(cfg, tcfg.num_hidden_layers)
         if cfg.init_from:
             check_init_from(cfg, tcfg)
+    if cfg.eval_prompts:  # a bad file fails now, not after training
+        read_prompts(cfg.eval_prompts)
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
+    check_resume(cfg, out)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     device = resolve_device(cfg.device)
     torch.backends.cuda.matmul.allow_tf32 = True
