@@ -29,7 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine may use: weights, activations and the KV cache, "
                         "which takes the rest (when --kv-cache-memory is not given)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graph capture (graphs are used on CUDA only); steps keep the graphs' padded layouts")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graph capture (graphs are used on CUDA only); steps keep the graphs' padded layouts")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
     sp = p.add_argument_group("speculative decoding")
