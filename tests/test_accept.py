@@ -230,7 +230,12 @@ def test_relaxed_on_the_default_model():
     from specserve.heads import default_speculative_config
 
     chats = ["Give me three tips for better sleep.", "Explain why the sky is blue.",
-             "Describe a sunny day at the beach in two sentences.", "Write a Python function that reverses a string."]
+             "Describe a sunny day at the beach in two sentences.", "Write a Python function that reverses a string.",
+             # replies likely to hold a comma, so the phase that ends there is checked on several prompts whatever
+             # the shipped head (with four chats, one head's relaxed replies had a single comma between them)
+             "List four fruits, separated by commas.", "Name three colors and say, for each, where it is seen.",
+             "Write one sentence that uses the words apple, river and stone.",
+             "Describe your ideal weekend, step by step."]
     sp = SamplingParams(temperature=0, max_tokens=40)
     plain = LLM(device="cpu", dtype="float32", num_kv_blocks=128)
     ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
