@@ -6,6 +6,8 @@
 # The fine-tuning data: responses to 56,000 task instructions the target writes itself, each begun with one of
 # 80 openers (run 7's 40 and 40 more, with code and role-play ones), plus 2,118 greedy responses to GPTeacher
 # training prompts (a regeneration kept in benchmarks/results, which also carries the held-out split).
+# It fine-tunes the head in specserve/heads/smollm2-135m-eagle3, which held run 7's when run 8 ran (commit
+# 5f30669); that folder now holds run 8's, so to repeat run 8 check out run 7's head there first.
 set -uo pipefail
 mode=${1:?regen|train}; stop=${2:?seconds of training in this call}
 openers=(Write Explain Describe Summarize Rewrite Classify Translate Generate List Give Suggest Create Compose
