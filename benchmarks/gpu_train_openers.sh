@@ -7,7 +7,8 @@
 # /root/regen-NAME, plus 2,118 greedy responses to GPTeacher training prompts (a regeneration kept in
 # benchmarks/results, which also carries the held-out split). It fine-tunes the head in INIT (default: the
 # shipped one). Run 8: NAME=syn4 COUNT=56000 SEED=1300000 TIME_LIMIT=520, from run 7's head (commit 5f30669);
-# run 9: NAME=syn5 COUNT=64000 SEED=2000000 TIME_LIMIT=630, from run 8's.
+# run 9: NAME=syn5 COUNT=60000 SEED=2000000 TIME_LIMIT=600 REGEN_LIMIT=320 (regen 180, then train 440),
+# from run 8's.
 set -uo pipefail
 mode=${1:?regen|train}; stop=${2:?seconds of training in this call}
 name=${NAME:-syn4}
