@@ -27,6 +27,8 @@
 # bars (~320 s: transformers eager, 8 prompts x 256 tokens x 4 runs at ~45 tok/s, is most of it): every batch-1
 # bar side by side in one run, every engine generating exactly 256 tokens; scaleall (~150 s): the 8B shapes at
 # batches 1, 8, 32 and 64 with step replays; attnbench (~150 s): bench_attention.py alone.
+# sets (~2 x 150 s, .traindata carried): batch 1, EAGLE-3 against no speculation on every HumanEval prompt (164)
+# and every Alpaca seed task (175), REPEATS (default 2) timed runs each.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -64,6 +66,10 @@ for st in $stages; do
              --batch-size 1 --prompts .traindata/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 16 --repeats 3 \
              --rounds ${ROUNDS:-1} \
              --out $OUT/humaneval-$(basename $HEAD) 2>&1 | quiet | tail -12 ;;
+    sets) for f in HumanEval.jsonl.gz alpaca-seed-tasks.jsonl; do echo "--- $f (every prompt)"
+             timeout 280 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+             --prompts .traindata/$f --max-tokens 256 --num-prompts 100000 --repeats ${REPEATS:-2} \
+             --out $OUT/sets-${f%%.*} 2>&1 | quiet | tail -12; done ;;
     hfc) timeout 300 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
              --max-tokens 256 --num-prompts 16 --repeats 3 --compare hf-compile --out $OUT/hfc 2>&1 | quiet | tail -16 ;;
     hf4) timeout 200 python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 --batch-size 1 \

@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 
-def profile(llm, batch: int, context: int, steps: int, warmup: int = 5) -> dict:
+def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline: bool = False) -> dict:
     from specserve import SamplingParams
 
     eng = llm.engine
@@ -48,7 +48,7 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5) -> dict:
             continue
         per[e.name][0] += 1
         per[e.name][1] += e.time_range.elapsed_us()
-        spans.append((e.time_range.start, e.time_range.end))
+        spans.append((e.time_range.start, e.time_range.end, e.name))
     rows = sorted(((n, c / steps, us / steps) for n, (c, us) in per.items()), key=lambda r: -r[2])
     # the device's timeline: gaps between one kernel's end and the next one's start, those of at most
     # ``idle_us`` counted as inside a step (launch latency between a graph's kernels), longer ones as idle
@@ -56,6 +56,12 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5) -> dict:
     spans.sort()
     gaps = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
     idle_us = 40.0
+    # one step's kernels in launch order (the middle one of the steps, split where the device idled)
+    cuts = [0] + [i + 1 for i, g in enumerate(gaps) if g > idle_us] + [len(spans)]
+    mid = len(cuts) // 2 - 1
+    one = spans[cuts[mid]:cuts[mid + 1]] if timeline and len(cuts) > 2 else []
+    order = [{"name": n, "us": b - a, "gap_us": (a - one[i - 1][1]) if i else 0.0}
+             for i, (a, b, n) in enumerate(one)]
     timeline = {"span_us_per_step": (spans[-1][1] - spans[0][0]) / steps if spans else 0.0,
                 "gaps_in_steps_us_per_step": sum(g for g in gaps if g <= idle_us) / steps,
                 "idle_us_per_step": sum(g for g in gaps if g > idle_us) / steps}
@@ -63,7 +69,7 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5) -> dict:
         eng.abort_request(r)
     return {"batch": batch, "context": context, "steps": steps, **timeline,
             "kernels_per_step": sum(r[1] for r in rows), "busy_us_per_step": sum(r[2] for r in rows),
-            "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows]}
+            "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows], "timeline": order}
 
 
 def main() -> None:
@@ -83,6 +89,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=None)
     ap.add_argument("--graphs", action="store_true",
                     help="profile the CUDA-graph replays the engine runs (default: eager steps, kernel by kernel)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also list one step's kernels in launch order with their durations and the gaps before them")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     spec = None
@@ -93,13 +101,15 @@ def main() -> None:
     kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch,
               max_num_batched_tokens=max(2048, a.context + 1), **kw)
-    res = profile(llm, a.batch, a.context, a.steps)
+    res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline)
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
           f"(batch {a.batch}, context {a.context}, {'no speculation' if a.no_spec else f'D = {a.draft_len}'})")
     print(f"device timeline per step: {res['span_us_per_step']:.0f} us, of which gaps between a step's kernels "
           f"{res['gaps_in_steps_us_per_step']:.0f} us and idle (> 40 us, the host) {res['idle_us_per_step']:.0f} us")
     for k in res["kernels"][:a.top]:
         print(f"{k['us']:9.1f} us  x{k['count']:5.1f}  {k['name'][:110]}")
+    for i, k in enumerate(res["timeline"]):
+        print(f"{i:4d} {k['us']:7.2f} us  gap {k['gap_us']:6.2f}  {k['name'][:100]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
