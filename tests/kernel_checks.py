@@ -432,8 +432,55 @@ def check_norm_fold(device, dtype):
                    f"norm fold: mlp + stream h={h} t={t}")
 
 
+@kernel_check
+def check_attn_merge_fold(device, dtype):
+    """The o projection merging an attention step's split partial sums in its prologue (``gemv.merged_linear``)
+    == the merge kernel, then the o projection (``fused_linear``; with the next norm folded,
+    ``linear_add_scaled``), and near the SDPA reference: one verify row of 5 queries, and 3 decode rows."""
+    from specserve.kernels.attention import AttnPartials, _flat_index
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, h = (3, 1, 32, 40) if QUICK else (9, 3, 64, 576)
+    n_blocks, bs, m = 64, 16, (20 if QUICK else 40)
+    kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
+    vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
+    w = (torch.randn(h, hq * d, generator=g) / (hq * d) ** 0.5).to(device, dtype)
+    bias = (0.1 * torch.randn(h, generator=g)).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(device, dtype)
+    for lens in ([(m * bs - 20, 5)], [(m * bs - 3, 1), (37, 1), (m * bs // 2, 1)]):
+        qw = max(nq for _, nq in lens)
+        t = sum(nq for _, nq in lens)
+        tables = (torch.randperm(n_blocks - 1, generator=g)[:len(lens) * m] + 1).view(len(lens), m)
+        qidx = torch.full((len(lens), qw), t, dtype=torch.int64)
+        qpos = torch.zeros(len(lens), qw, dtype=torch.int64)
+        t0 = 0
+        for b, (ctx, nq) in enumerate(lens):
+            qidx[b, :nq] = torch.arange(t0, t0 + nq)
+            qpos[b, :nq] = torch.arange(ctx - nq, ctx)
+            t0 += nq
+        q = torch.randn(t, hq, d, generator=g).to(device, dtype)
+        args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
+        parts = paged_attention_triton(*args, flat_index=_flat_index(args[4], t))
+        assert isinstance(parts, AttnPartials) and parts.num_splits > 1, "the step did not split its keys"
+        stream = torch.randn(t, h, generator=g).to(device, dtype)
+        got = gemv.merged_linear(parts, w, bias)
+        got_s, got_scaled = gemv.merged_linear(parts, w, None, stream, nw)
+        assert got is not None and got[1] is None, "the merged o projection did not take the few-row kernel"
+        merged = parts.merge().view(t, hq * d)
+        want = fused_linear(merged, w, bias)[0]
+        want_s, want_scaled = gemv.linear_add_scaled(merged, w, None, stream, nw)
+        exact = device == "cpu"  # the interpreter sums alike; a GPU compiler may contract the merge otherwise
+        for a, b, what in ((got[0], want, "o"), (got_s, want_s, "o + stream"), (got_scaled, want_scaled, "scaled")):
+            if exact:
+                assert torch.equal(a, b), f"merged o projection ({what}, {len(lens)} rows) differs from merge + o"
+            _close(a, b, dtype, f"merged o projection ({what}, {len(lens)} rows)")
+        ref = paged_attention_sdpa(*args).reshape(t, hq * d)
+        _close(got[0], linear_ref(ref, w, bias)[0], dtype, f"merged o projection against SDPA, {len(lens)} rows")
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv, check_qkv_rope, check_norm_fold]
+          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv, check_qkv_rope, check_norm_fold,
+          check_attn_merge_fold]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

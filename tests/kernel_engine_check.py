@@ -55,6 +55,25 @@ print(f"triton spec=True padded=False norm folded: {'ok' if same else 'DIFFERENT
 same = run("triton", True, True, "e3v") == ref
 bad += not same
 print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)
+# attention split in 16-key ranges (this tiny context otherwise takes one split): the o projection merges the
+# partial sums in its prologue (gemv.merged_linear); the full run also checks the merge kernel, the fold off
+import specserve.kernels.attention as attention  # noqa: E402
+import specserve.models.llama as llama  # noqa: E402
+
+attention.ONE_SPLIT_KEYS, attention.BLOCK_N_WIDE = 0, 16
+merged = []
+merged_linear = llama.merged_linear
+llama.merged_linear = lambda *a: merged.append(merged_linear(*a)) or merged[-1]
+for fold in (True,) if QUICK else (True, False):
+    llama.MERGE_FOLD = fold
+    merged.clear()
+    same = run("triton", True, True) == ref
+    if fold and not any(o is not None for o in merged):
+        print("the o projection never merged the partial sums itself")
+        same = False
+    bad += not same
+    print(f"triton spec=True padded=True attention in splits, merged in the o projection={fold}: "
+          f"{'ok' if same else 'DIFFERENT'}", flush=True)
 from specserve import kernels  # noqa: E402
 
 if kernels.FAILED:  # a kernel fell back to its reference: the comparison above did not test it

@@ -19,6 +19,7 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -43,12 +44,14 @@ BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smalle
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None,
-                           block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int | None = None, flat_index=None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions and past that to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
     ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
-    --sweep``)."""
+    --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
+    partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
+    ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``."""
     t, hq, d = q.shape
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -82,13 +85,43 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
         G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
         IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, **launch)
-    if not final:
-        _attn_merge_kernel[(b * n_qt, hkv)](
-            part_acc, part_ml, out, query_index, query_pos, t, qw, n_qt, out.stride(0), out.stride(1),
-            query_index.stride(0), num_splits,
-            G=g, QPT=qpt, BLOCK_M=block_m, SPLIT=span, D=d, HEAD_D=head_d, DYNAMIC=not _INTERPRET,
-            NS_STATIC=num_splits if _INTERPRET else 0)
-    return out
+    parts = None if final else AttnPartials(out, part_acc, part_ml, query_index, query_pos, flat_index, qw, n_qt,
+                                            qpt, g, block_m, head_d, num_splits, span)
+    if parts is not None and flat_index is None:
+        return parts.merge()
+    return out if parts is None else parts
+
+
+@dataclass
+class AttnPartials:
+    """A split step's partial softmax sums before the merge: ``acc`` [P, Hkv, S, BLOCK_M, HEAD_D] and ``ml``
+    [P, Hkv, S, 2, BLOCK_M] (running max and sum) per tile P = b * n_qt + j // qpt, KV head and split; tile row
+    m = (j % qpt) * g + grouped head. ``out`` [T, Hq, D] is the (unwritten) output buffer."""
+
+    out: torch.Tensor
+    acc: torch.Tensor
+    ml: torch.Tensor
+    query_index: torch.Tensor  # [B, Qw]
+    query_pos: torch.Tensor  # [B, Qw]
+    flat_index: torch.Tensor | None  # [T]
+    qw: int
+    n_qt: int
+    qpt: int
+    g: int
+    block_m: int
+    head_d: int
+    num_splits: int
+    span: int  # key positions per split
+
+    def merge(self) -> torch.Tensor:
+        """The merge kernel -> out [T, Hq, D]."""
+        out, (b, qw) = self.out, self.query_index.shape
+        _attn_merge_kernel[(b * self.n_qt, self.acc.shape[1])](
+            self.acc, self.ml, out, self.query_index, self.query_pos, out.shape[0], qw, self.n_qt, out.stride(0),
+            out.stride(1), self.query_index.stride(0), self.num_splits,
+            G=self.g, QPT=self.qpt, BLOCK_M=self.block_m, SPLIT=self.span, D=out.shape[2], HEAD_D=self.head_d,
+            DYNAMIC=not _INTERPRET, NS_STATIC=self.num_splits if _INTERPRET else 0)
+        return out
 
 
 def paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,

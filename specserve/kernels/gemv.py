@@ -47,6 +47,11 @@ NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues (4: qkv_rope's EMBED_CA
 # SiLU(gate) * up of a gate/up projection run on the stream s times the norm's weight (``norm_folds``):
 # gate and up are first scaled by the row's 1 / rms(s), the ``residual`` argument holding s [T, H]
 SILU_MUL_RSTD = 5
+# The o projection of a step whose attention split its keys merges the splits' partial sums in its prologue
+# (``merged_linear``): one merge kernel fewer per layer. SPECSERVE_ATTN_MERGE_FOLD=0 runs the merge kernel.
+ATTN_MERGE = 6
+MERGE_FOLD = os.environ.get("SPECSERVE_ATTN_MERGE_FOLD", "1") != "0"
+MERGE_MAX_SPLITS = 8  # every program merges every split (tables up to 2,048 keys); longer ones: the merge kernel
 # Issue a program's weight loads before its prologue (the input row, its norm): SPECSERVE_GEMV_WFIRST=0 issues them
 # after it, as before (measurements: docs/BENCHMARKS.md, eleventh session)
 WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
@@ -168,6 +173,27 @@ def linear_add_scaled(x, weight, bias, add, norm_weight, block: int | None = Non
     return out, scaled
 
 
+def merged_linear(parts, weight, bias=None, stream=None, norm_weight=None):
+    """The o projection of an attention step left unmerged (``kernels.attention.AttnPartials``, out [T, Hq, D])
+    -> (merged @ W.T + b [T, N], None), or with ``stream`` and ``norm_weight`` what ``linear_add_scaled`` gives
+    for it: one kernel, the merge inside each program's prologue (rounded to the output's dtype as the merge
+    kernel rounds it). None where the few-row kernel does not take the step (the caller merges first)."""
+    x = parts.out.view(parts.out.shape[0], -1)  # [T, K]: its shape and dtype only (never read)
+    if (parts.flat_index is None or parts.num_splits > MERGE_MAX_SPLITS or not kernel_usable("gemv_merge")
+            or not _fusable(x, weight, stream, norm_weight, bias)):
+        return None
+    t, (n, k) = x.shape[0], weight.shape
+    bn = block_n(n, k, t)
+    if not _programs_ok(triton.cdiv(n, bn), t):
+        return None
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    scaled = None if norm_weight is None else torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if not _launch(x, weight, bias, ATTN_MERGE, None, None, 0.0, stream, None, out, None, None, bn, 4,
+                   None if scaled is None else (scaled, norm_weight), merge=parts):
+        return None
+    return out, scaled
+
+
 def takes_kernel(n: int, k: int, t: int) -> bool:
     """Whether a ``t``-row step through an [n, k] weight stays on the few-row kernel (``MAX_PROGRAMS``)."""
     return k <= MAX_K and _programs_ok(triton.cdiv(n, block_n(n, k, t)), t)
@@ -205,24 +231,30 @@ def _programs_ok(programs_per_row: int, t: int) -> bool:
 
 
 def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, parts, bn, num_warps,
-            out2=None):
+            out2=None, merge=None):
     """One ``_gemv_kernel`` launch; False where it did not build here (first launch; never inside a capture).
-    ``out2`` = (tensor [T, N], weight [N]): also store the outputs times that weight."""
+    ``out2`` = (tensor [T, N], weight [N]): also store the outputs times that weight. ``merge``: the
+    ``AttnPartials`` an ATTN_MERGE prologue reads."""
     (t, _), (n, k) = x.shape, weight.shape
     k1, k2 = k_blocks(k)
     hn = residual.shape[-1] if prologue == SILU_MUL_RSTD else 1  # the stream's width (its 1 / rms)
+    m = merge
+    margs = ((m.acc, m.ml, m.flat_index, m.qw, m.n_qt) if m is not None else (out, out, out, 1, 1))
+    mconst = dict(MG=m.g, MQPT=m.qpt, MBM=m.block_m, MHD=m.head_d, MNS=m.num_splits, MD=m.out.shape[2],
+                  MHKV=m.acc.shape[1]) if m is not None else dict(MG=1, MQPT=1, MBM=1, MHD=1, MNS=1, MD=1, MHKV=1)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
-            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)), K=k,
+            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)), *margs,
+            **mconst, K=k,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
             BLOCK_N=bn, K1=k1, K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
             HNP=triton.next_power_of_2(hn), num_warps=num_warps)
     except Exception as e:
-        kernel_failed("gemv", e)
+        kernel_failed("gemv_merge" if merge is not None else "gemv", e)
         return False
     return True
 
@@ -230,20 +262,27 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
 if triton is not None:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, PV, PI, OUT2, NW2,
-                     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+                     PACC, PML, FIDX, m_qw, m_nqt, MG: tl.constexpr, MQPT: tl.constexpr, MBM: tl.constexpr,
+                     MHD: tl.constexpr, MNS: tl.constexpr, MD: tl.constexpr, MHKV: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                      HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
                      WFIRST: tl.constexpr, ARGMAX: tl.constexpr, HAS_OUT2: tl.constexpr, HN: tl.constexpr,
                      HNP: tl.constexpr):
         """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two. ARGMAX: each
         program also writes the largest of its outputs (as rounded) and its column to PV / PI [T, programs].
         HAS_OUT2: the outputs times NW2 [N] also go to OUT2 [T, N]. HN (HNP: its power of two): the width of
-        RES, the stream, for SILU_MUL_RSTD."""
+        RES, the stream, for SILU_MUL_RSTD. ATTN_MERGE: row t's input is the merge of an attention step's split
+        partial sums (PACC, PML, FIDX, m_*, M*: ``AttnPartials``); X only gives the dtype."""
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
-        acc = _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K, PROLOGUE, HAS_SCALE,
-                        K1, K2, WFIRST, HN, HNP)  # [BLOCK_N]
+        if PROLOGUE == 6:  # ATTN_MERGE
+            w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
+            a1, a2 = _merge_prologue(X, PACC, PML, FIDX, t, m_qw, m_nqt, MG, MQPT, MBM, MHD, MNS, MD, MHKV, K, K1, K2)
+            acc = _gemv_dot(w1, w2, a1, a2, K2)
+        else:
+            acc = _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K, PROLOGUE,
+                            HAS_SCALE, K1, K2, WFIRST, HN, HNP)  # [BLOCK_N]
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
         if HAS_ADD:
@@ -320,6 +359,47 @@ if triton is not None:
             a1 = x1.to(tl.float32)
             a2 = x2.to(tl.float32)
         return a1, a2
+
+    @triton.jit
+    def _merge_prologue(X, PACC, PML, FIDX, t, qw, nqt, G: tl.constexpr, QPT: tl.constexpr, BM: tl.constexpr,
+                        HD: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr,
+                        K1: tl.constexpr, K2: tl.constexpr):
+        """Row t's attention output, merged from its splits, rounded to X's dtype, in float32: ([K1], [K2])."""
+        fi = tl.load(FIDX + t)  # b * Qw + j
+        tile = (fi // qw) * nqt + (fi % qw) // QPT
+        row = (fi % qw) % QPT
+        a1 = _merge_cols(X, PACC, PML, tile, row, tl.arange(0, K1), G, BM, HD, NS, D, HKV, K)
+        a2 = a1
+        if K2 > 0:
+            a2 = _merge_cols(X, PACC, PML, tile, row, K1 + tl.arange(0, K2), G, BM, HD, NS, D, HKV, K)
+        return a1, a2
+
+    @triton.jit
+    def _merge_cols(X, PACC, PML, tile, row, ks, G: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr,
+                    NS: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr, K: tl.constexpr):
+        """Columns ``ks`` (head hq = k // D, dim k % D) of one token's merged attention output, as the merge
+        kernel computes it (every split is merged: one past the token's keys holds max -1e30 and sum 0, which
+        leaves the running values as they are)."""
+        km = ks < K
+        hq = ks // D
+        m = row * G + hq % G  # the token's row in its tile
+        base0 = (tile * HKV + hq // G) * NS
+        m_tot = tl.full(ks.shape, -1.0e30, dtype=tl.float32)
+        l_tot = tl.zeros(ks.shape, dtype=tl.float32)
+        acc = tl.zeros(ks.shape, dtype=tl.float32)
+        for s in tl.static_range(NS):
+            base = base0 + s
+            m_s = tl.load(PML + base * (2 * BM) + m, mask=km, other=-1.0e30)
+            l_s = tl.load(PML + base * (2 * BM) + BM + m, mask=km, other=0.0)
+            a_s = tl.load(PACC + base * (BM * HD) + m * HD + ks % D, mask=km, other=0.0)
+            m_new = tl.maximum(m_tot, m_s)
+            c_old = tl.exp(m_tot - m_new)
+            c_s = tl.exp(m_s - m_new)
+            l_tot = l_tot * c_old + l_s * c_s
+            acc = acc * c_old + a_s * c_s
+            m_tot = m_new
+        out = acc / tl.where(l_tot > 0, l_tot, 1.0)
+        return out.to(X.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _gemv_dot(w1, w2, a1, a2, K2: tl.constexpr):

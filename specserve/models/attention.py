@@ -44,8 +44,9 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]."""
+                    scale: float, defer_merge: bool = False):
+    """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]. ``defer_merge``: the Triton
+    kernel's split partial sums may come back unmerged (``AttnPartials``) for the caller to merge."""
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
     if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
@@ -53,5 +54,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                     meta.sliding_window, flat_index=meta.flat_index,
                                     mask=meta.sdpa_mask(k_cache.shape[1]))
     return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
-                                  meta.sliding_window)
+                                  meta.sliding_window, flat_index=meta.flat_index if defer_merge else None)
 

@@ -15,7 +15,9 @@ from torch import nn
 from specserve.config import ModelConfig
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
-from specserve.kernels.gemv import ADD_NORM, NONE, NORM, fused_linear, linear_add_scaled
+from specserve.kernels.attention import AttnPartials
+from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, fused_linear, linear_add_scaled,
+                                    merged_linear)
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
@@ -110,7 +112,12 @@ class Attention(nn.Module):
 
     def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD)  # [T, Hq, D]
+        if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
+            o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *((stream, fold.weight) if fold else ()))
+            if o is not None:
+                return o if fold is not None else o[0]
+            out = out.merge()
         return self._o_proj(out.reshape(q.shape[0], self.hq * self.d), fold, stream)
 
     def _o_proj(self, out, fold=None, stream=None):
