@@ -441,7 +441,7 @@ def check_attn_merge_fold(device, dtype):
 
     g = torch.Generator().manual_seed(11)
     hq, hkv, d, h = (3, 1, 32, 40) if QUICK else (9, 3, 64, 576)
-    n_blocks, bs, m = 64, 16, (20 if QUICK else 40)
+    n_blocks, bs, m = 128, 16, (20 if QUICK else 40)
     kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
     vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
     w = (torch.randn(h, hq * d, generator=g) / (hq * d) ** 0.5).to(device, dtype)
