@@ -238,18 +238,18 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
     (t, _), (n, k) = x.shape, weight.shape
     k1, k2 = k_blocks(k)
     hn = residual.shape[-1] if prologue == SILU_MUL_RSTD else 1  # the stream's width (its 1 / rms)
-    m = merge
-    margs = ((m.acc, m.ml, m.flat_index, m.qw, m.n_qt) if m is not None else (out, out, out, 1, 1))
-    mconst = dict(MG=m.g, MQPT=m.qpt, MBM=m.block_m, MHD=m.head_d, MNS=m.num_splits, MD=m.out.shape[2],
-                  MHKV=m.acc.shape[1]) if m is not None else dict(MG=1, MQPT=1, MBM=1, MHD=1, MNS=1, MD=1, MHKV=1)
+    m = merge  # ATTN_MERGE's partial sums and their layout (unused placeholders otherwise)
+    margs = (m.acc, m.ml, m.flat_index, m.qw, m.n_qt) if m is not None else (out, out, out, 1, 1)
+    mconst = dict(MG=1, MQPT=1, MBM=1, MHD=1, MNS=1, MD=1, MHKV=1) if m is None else dict(
+        MG=m.g, MQPT=m.qpt, MBM=m.block_m, MHD=m.head_d, MNS=m.num_splits, MD=m.out.shape[2], MHKV=m.acc.shape[1])
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             add if add is not None else out, out, t, n, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
-            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)), *margs,
-            **mconst, K=k,
+            scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)),
+            *margs, **mconst, K=k,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
             BLOCK_N=bn, K1=k1, K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
             HNP=triton.next_power_of_2(hn), num_warps=num_warps)
@@ -263,7 +263,8 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, PV, PI, OUT2, NW2,
                      PACC, PML, FIDX, m_qw, m_nqt, MG: tl.constexpr, MQPT: tl.constexpr, MBM: tl.constexpr,
-                     MHD: tl.constexpr, MNS: tl.constexpr, MD: tl.constexpr, MHKV: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+                     MHD: tl.constexpr, MNS: tl.constexpr, MD: tl.constexpr, MHKV: tl.constexpr, K: tl.constexpr,
+                     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                      HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
                      WFIRST: tl.constexpr, ARGMAX: tl.constexpr, HAS_OUT2: tl.constexpr, HN: tl.constexpr,
                      HNP: tl.constexpr):
