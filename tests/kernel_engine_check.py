@@ -1,7 +1,7 @@
 """The whole engine with every Triton kernel (through Triton's interpreter on the CPU) gives the greedy tokens
 of the PyTorch reference path: plain and speculative, packed and padded (graph) layouts, chunked prefill.
 Run by tests/test_kernels.py as ``TRITON_INTERPRET=1 python tests/kernel_engine_check.py``; with
-SPECSERVE_KERNEL_CHECKS=quick (the CPU suite) three runs that between them take every layout and kernel, instead
+SPECSERVE_KERNEL_CHECKS=quick (the CPU suite) four runs that between them take every layout and kernel, instead
 of each case alone."""
 
 import os
