@@ -114,7 +114,8 @@ class Attention(nn.Module):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD)  # [T, Hq, D]
         if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
-            o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *((stream, fold.weight) if fold else ()))
+            folded = () if fold is None else (stream, fold.weight)
+            o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *folded)
             if o is not None:
                 return o if fold is not None else o[0]
             out = out.merge()
