@@ -104,6 +104,9 @@ def _build_main(path: str, capability: int) -> int:
     target = GPUTarget("cuda", capability, 32)
     bad = 0
     entries = json.load(open(path))
+    # the interpreter never launches with programmatic dependent launch (kernels.pdl): build those variants too
+    entries += [dict(e, consts=dict(e["consts"], PDL=True), options=dict(e["options"], launch_pdl=True))
+                for e in entries if e["consts"].get("PDL") is False and capability >= 90]
     for e in entries:
         kernel = getattr(importlib.import_module(e["module"]), e["name"])
         try:

@@ -292,3 +292,37 @@ def test_default_model_bf16_graphs_equal_eager_at_padded_batches(spec):
             assert eager or llm.engine.runner.graphs.num_captured > 0
             del llm
         assert outs[1] == outs[0], n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_launches_give_the_tokens_of_ordinary_ones(monkeypatch):
+    """Programmatic dependent launch (``kernels.pdl``) lets a kernel start before its predecessor completes; a
+    read or write issued before its wait would race. The real model in bf16 with the shipped EAGLE-3 head,
+    captured graphs, one prompt long enough that attention splits its keys (merged in the o projection): the
+    same tokens with PDL as without, at batch 1 and 4."""
+    import os
+
+    from specserve.bench.prompts import DEFAULT_PROMPTS
+    from specserve.heads import default_speculative_config
+    from specserve.kernels import pdl
+    from specserve.loaders import default_model_path
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    path = os.environ.get("SPECSERVE_TEST_GGUF") or str(default_model_path())
+    sp = SamplingParams(temperature=0, max_tokens=96)
+    long = " ".join(DEFAULT_PROMPTS) * 3 + " Summarise all of the above."
+    msgs = [[{"role": "user", "content": p}] for p in [long] + DEFAULT_PROMPTS[:3]]
+    for spec in (None, default_speculative_config("eagle3")):
+        outs = {}
+        for on in (False, True):
+            monkeypatch.setattr(pdl, "ENABLED", on)
+            llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 28, speculative_config=spec)
+            assert pdl.pdl(llm.engine.model.embed_tokens.weight) == on
+            alone = llm.chat(msgs[:1], sp)
+            assert len(alone[0].prompt_token_ids) > 512  # attention in splits (kernels.attention.ONE_SPLIT_KEYS)
+            outs[on] = [o.token_ids for o in alone] + [o.token_ids for o in llm.chat(msgs, sp)]
+            assert llm.engine.runner.graphs.num_captured > 0
+            del llm
+        assert outs[True] == outs[False], spec is not None

@@ -101,3 +101,19 @@ def test_a_kernel_that_does_not_build_falls_back_to_its_reference(monkeypatch, c
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert kernels.FAILED == {"expand_record"}
     assert sum("expand_record failed to build" in r.message for r in caplog.records) == 1
+
+
+def test_pdl_launches_only_on_a_gpu_that_has_it(monkeypatch):
+    """Programmatic dependent launch is a launch option of CUDA devices of compute capability 9.0+; never for a
+    CPU tensor (the interpreter's), never with SPECSERVE_PDL=0 (``ENABLED``). Its kernels' PDL variants are
+    built for sm_90 by the interpreter checks above (kernel_build.py), and run on the GPU by
+    test_cuda_graph.py::test_pdl_launches_give_the_tokens_of_ordinary_ones."""
+    from specserve.kernels import pdl
+
+    assert not pdl.pdl(torch.empty(1))
+    assert pdl.launch(False) == {} and pdl.launch(True) == {"launch_pdl": True}
+    if torch.cuda.is_available():
+        x = torch.empty(1, device="cuda")
+        assert pdl.pdl(x) == (pdl._HAS_GDC and torch.cuda.get_device_capability() >= (9, 0) and pdl.ENABLED)
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert not pdl.pdl(x)

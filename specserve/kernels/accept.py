@@ -11,10 +11,13 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
+from specserve.kernels.pdl import launch, pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -52,14 +55,19 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
     accepted = torch.empty(b, dtype=torch.int64, device=argmax.device)
     emitted = torch.empty(b, d + 1, dtype=torch.int64, device=argmax.device)
     if b:
+        on = pdl(argmax)
         _greedy_accept_kernel[(b,)](argmax, drafts, num_drafts, can_accept, accepted, emitted, d,
-                                    argmax.stride(0), drafts.stride(0), BLOCK=triton.next_power_of_2(d + 1))
+                                    argmax.stride(0), drafts.stride(0), BLOCK=triton.next_power_of_2(d + 1),
+                                    PDL=on, **launch(on))
     return accepted, emitted
 
 
 if triton is not None:
     @triton.jit
-    def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, BLOCK: tl.constexpr):
+    def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         tgt = tl.load(ARGMAX + row * s_a + cols, mask=cols <= D, other=-1)  # [BLOCK]: positions 0..D

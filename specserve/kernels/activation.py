@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import use_triton
+from specserve.kernels.pdl import launch, pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -29,13 +32,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, i), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(i))
     if n:
-        _silu_mul_kernel[(n, triton.cdiv(i, block))](x2, out, i, x2.stride(0), BLOCK=block)
+        on = pdl(x)
+        _silu_mul_kernel[(n, triton.cdiv(i, block))](x2, out, i, x2.stride(0), BLOCK=block, PDL=on, **launch(on))
     return out.view(*x.shape[:-1], i)
 
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(X, OUT, I, stride_x, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(X, OUT, I, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < I

@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
+from specserve.kernels.pdl import launch, pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -40,7 +43,8 @@ def argmax_lastdim(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Te
     n = x2.shape[0]
     part_v = torch.empty(n, n_chunks, dtype=torch.float32, device=x.device)
     part_i = torch.empty(n, n_chunks, dtype=torch.int64, device=x.device)
-    _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK)
+    on = pdl(x)
+    _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK, PDL=on, **launch(on))
     return argmax_pick(part_v, part_i, ids).view(lead)
 
 
@@ -54,14 +58,17 @@ def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | 
     index of the largest per row [N] int64, the lowest chunk on ties (with ``ids``: ``ids`` at that index)."""
     n, nc = part_v.shape
     out = torch.empty(n, dtype=torch.int64, device=part_v.device)
+    on = pdl(part_v)
     _argmax_pick[(n,)](part_v, part_i, out, nc, out if ids is None else ids, BLOCK=triton.next_power_of_2(nc),
-                       MAP=ids is not None)
+                       MAP=ids is not None, PDL=on, **launch(on))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _argmax_chunks(X, PV, PI, V, s_x, NC, CHUNK: tl.constexpr):
+    def _argmax_chunks(X, PV, PI, V, s_x, NC, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
@@ -71,7 +78,9 @@ if triton is not None:
         tl.store(PI + row * NC + c, (c * CHUNK + at).to(tl.int64))
 
     @triton.jit
-    def _argmax_pick(PV, PI, OUT, NC, IDS, BLOCK: tl.constexpr, MAP: tl.constexpr):
+    def _argmax_pick(PV, PI, OUT, NC, IDS, BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         k = tl.arange(0, BLOCK)
         pv = tl.load(PV + row * NC + k, mask=k < NC, other=float("-inf"))

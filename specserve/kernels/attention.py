@@ -23,10 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels.pdl import launch as pdl_launch
+from specserve.kernels.pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -70,7 +74,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     # key positions per split: a power of two (few compiled variants) covering the table
     block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
-    launch = {} if num_warps is None else {"num_warps": num_warps}
+    on = pdl(q)
+    launch = dict(pdl_launch(on), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself
     head_d = triton.next_power_of_2(d)
     out = torch.empty_like(q)
@@ -84,7 +89,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
         G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
-        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, **launch)
+        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, PDL=on,
+        **launch)
     parts = None if final else AttnPartials(out, part_acc, part_ml, query_index, query_pos, flat_index, qw, n_qt,
                                             qpt, g, block_m, head_d, num_splits, span)
     if parts is not None and flat_index is None:
@@ -116,11 +122,12 @@ class AttnPartials:
     def merge(self) -> torch.Tensor:
         """The merge kernel -> out [T, Hq, D]."""
         out, (b, qw) = self.out, self.query_index.shape
+        on = pdl(out)
         _attn_merge_kernel[(b * self.n_qt, self.acc.shape[1])](
             self.acc, self.ml, out, self.query_index, self.query_pos, out.shape[0], qw, self.n_qt, out.stride(0),
             out.stride(1), self.query_index.stride(0), self.num_splits,
             G=self.g, QPT=self.qpt, BLOCK_M=self.block_m, SPLIT=self.span, D=out.shape[2], HEAD_D=self.head_d,
-            DYNAMIC=not _INTERPRET, NS_STATIC=self.num_splits if _INTERPRET else 0)
+            DYNAMIC=not _INTERPRET, NS_STATIC=self.num_splits if _INTERPRET else 0, PDL=on, **pdl_launch(on))
         return out
 
 
@@ -257,7 +264,9 @@ if triton is not None:
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
                            IEEE: tl.constexpr, DYNAMIC: tl.constexpr, ITERS_STATIC: tl.constexpr,
-                           FINAL: tl.constexpr):
+                           FINAL: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)  # everything here was written during the step
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -312,7 +321,9 @@ if triton is not None:
     def _attn_merge_kernel(PACC, PML, O, QIDX, QPOS, T, QW, NQT, so_t, so_h, s_qi, NS,
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
                            D: tl.constexpr, HEAD_D: tl.constexpr, DYNAMIC: tl.constexpr,
-                           NS_STATIC: tl.constexpr):
+                           NS_STATIC: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b, gi, valid, qi, qp = _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT, G, BLOCK_M)

@@ -13,10 +13,13 @@ import torch
 
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.kernels import kernel_failed, kernel_usable, use_triton
+from specserve.kernels.pdl import launch, pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -62,11 +65,12 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
     ids0 = torch.empty(t, dtype=torch.int64, device=dev)
     chain = torch.empty(2, k, b, dtype=torch.int64, device=dev)  # positions, slots
     contig = [x.contiguous() for x in args]
+    on = pdl(ext)
     try:
         _draft_inputs_kernel[(b + triton.cdiv(t, BLOCK_T),)](
             *contig, ext_out, rows3, ids0, chain, b, w, t, tables.shape[1], k, max_pos, contig[1].stride(0),
             BS=block_size, PAD=PAD_BLOCK, W_BLOCK=triton.next_power_of_2(w), K_BLOCK=triton.next_power_of_2(k),
-            BLOCK_T=BLOCK_T)
+            BLOCK_T=BLOCK_T, PDL=on, **launch(on))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("draft_inputs", e)
         return draft_inputs_ref(*args, block_size, num_drafts, max_pos)
@@ -78,7 +82,10 @@ if triton is not None:
     @triton.jit
     def _draft_inputs_kernel(ACC, EMIT, BASE, T0, START, EXT, OK, TAB, ROW, COL, EXT_OUT, ROWS3, IDS0, CHAIN,
                              B, W, T, M, K, MAX_POS, s_emit, BS: tl.constexpr, PAD: tl.constexpr,
-                             W_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+                             W_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         p = tl.program_id(0).to(tl.int64)
         if p < B:  # row p: the draft table, the last accepted token, the chain's positions and slots
             acc = tl.load(ACC + p)

@@ -28,10 +28,14 @@ from specserve.kernels import kernel_failed, kernel_usable, use_triton
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.argmax import argmax_lastdim, argmax_pick, pick_fits
 from specserve.kernels.norm import rms_norm, rms_norm_ref
+from specserve.kernels.pdl import launch as pdl_launch
+from specserve.kernels.pdl import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -55,6 +59,8 @@ MERGE_MAX_SPLITS = 8  # every program merges every split (tables up to 2,048 key
 # Issue a program's weight loads before its prologue (the input row, its norm): SPECSERVE_GEMV_WFIRST=0 issues them
 # after it, as before (measurements: docs/BENCHMARKS.md, eleventh session)
 WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
+# Several-row steps take this many times the features per program ``block_n``'s fitted rules give (measurements)
+WIDE = max(1, int(os.environ.get("SPECSERVE_GEMV_WIDE", "1")))
 
 
 def gemv_enabled(x: torch.Tensor, k: int) -> bool:
@@ -68,13 +74,14 @@ def block_n(n: int, k: int, t: int = 1) -> int:
     """Output features per program for an [n, k] weight and ``t`` token rows. One row: a fixed tile. Several:
     fitted to the H200 at 5 rows (docs/BENCHMARKS.md, eighth and tenth sessions): a wide K takes twice the
     features per program (the down projection: 4.05 against 4.74 µs), and a projection with few programs
-    takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs)."""
+    takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs); then ``WIDE`` times that."""
     bn = max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
     if t > 1:
         if k > 1024:
             bn *= 2
         elif bn > 1 and triton.cdiv(n, bn) * t < 512:
             bn //= 2
+        bn = min(bn * WIDE, triton.next_power_of_2(n))
     return bn
 
 
@@ -242,6 +249,7 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
     margs = (m.acc, m.ml, m.flat_index, m.qw, m.n_qt) if m is not None else (out, out, out, 1, 1)
     mconst = dict(MG=1, MQPT=1, MBM=1, MHD=1, MNS=1, MD=1, MHKV=1) if m is None else dict(
         MG=m.g, MQPT=m.qpt, MBM=m.block_m, MHD=m.head_d, MNS=m.num_splits, MD=m.out.shape[2], MHKV=m.acc.shape[1])
+    on = pdl(x)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
@@ -252,7 +260,7 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
             *margs, **mconst, K=k,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
             BLOCK_N=bn, K1=k1, K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
-            HNP=triton.next_power_of_2(hn), num_warps=num_warps)
+            HNP=triton.next_power_of_2(hn), PDL=on, num_warps=num_warps, **pdl_launch(on))
     except Exception as e:
         kernel_failed("gemv_merge" if merge is not None else "gemv", e)
         return False
@@ -267,23 +275,26 @@ if triton is not None:
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                      HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
                      WFIRST: tl.constexpr, ARGMAX: tl.constexpr, HAS_OUT2: tl.constexpr, HN: tl.constexpr,
-                     HNP: tl.constexpr):
+                     HNP: tl.constexpr, PDL: tl.constexpr):
         """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two. ARGMAX: each
         program also writes the largest of its outputs (as rounded) and its column to PV / PI [T, programs].
         HAS_OUT2: the outputs times NW2 [N] also go to OUT2 [T, N]. HN (HNP: its power of two): the width of
         RES, the stream, for SILU_MUL_RSTD. ATTN_MERGE: row t's input is the merge of an attention step's split
-        partial sums (PACC, PML, FIDX, m_*, M*: ``AttnPartials``); X only gives the dtype."""
+        partial sums (PACC, PML, FIDX, m_*, M*: ``AttnPartials``); X only gives the dtype. PDL: only the weights
+        are loaded before the predecessor kernel completes."""
+        pdl_begin(PDL)
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
         nm = cols < N
         if PROLOGUE == 6:  # ATTN_MERGE
             w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
+            pdl_wait(PDL)
             a1, a2 = _merge_prologue(X, PACC, PML, FIDX, t, m_qw, m_nqt, MG, MQPT, MBM, MHD, MNS, MD, MHKV, K, K1, K2)
             acc = _gemv_dot(w1, w2, a1, a2, K2)
         else:
             acc = _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K, PROLOGUE,
-                            HAS_SCALE, K1, K2, WFIRST, HN, HNP)  # [BLOCK_N]
+                            HAS_SCALE, K1, K2, WFIRST, HN, HNP, PDL)  # [BLOCK_N]
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
         if HAS_ADD:
@@ -303,11 +314,13 @@ if triton is not None:
     @triton.jit
     def _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K: tl.constexpr,
                   PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                  WFIRST: tl.constexpr, HN: tl.constexpr, HNP: tl.constexpr):
+                  WFIRST: tl.constexpr, HN: tl.constexpr, HNP: tl.constexpr, PDL: tl.constexpr):
         """prologue(row t of X) . W[cols] (* SCALE[cols]) in float32 [len(cols)]. WFIRST issues the weight loads
-        before the prologue (whose reductions wait on barriers), so their latency overlaps it."""
+        before the prologue (whose reductions wait on barriers), so their latency overlaps it (and, with PDL,
+        the predecessor kernel's tail)."""
         if WFIRST:
             w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
+        pdl_wait(PDL)
         a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2, HN, HNP)
         if not WFIRST:
             w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
+from specserve.kernels.pdl import launch, pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:  # the CPU path needs no Triton
     triton = None
 
@@ -36,7 +39,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_in = residual.reshape(-1, h) if residual is not None else x2
     if n:
         _rms_norm_kernel[(n,)](x2, res_in, res_out, weight, out, h, eps, x2.stride(0), res_in.stride(0),
-                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h))
+                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), PDL=pdl(x),
+                               **launch(pdl(x)))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 
@@ -54,7 +58,8 @@ def embed_norm_cat(ids: torch.Tensor, table: torch.Tensor, w_embed: torch.Tensor
     out = torch.empty(n, 2 * h, dtype=torch.promote_types(hidden.dtype, w_hidden.dtype), device=hidden.device)
     if n:
         _embed_norm_cat_kernel[(n, 2)](ids1, table, w_embed, hid, w_hidden, out, h, eps, table.stride(0),
-                                       hid.stride(0), BLOCK=triton.next_power_of_2(h))
+                                       hid.stride(0), BLOCK=triton.next_power_of_2(h), PDL=pdl(hid),
+                                       **launch(pdl(hid)))
     return out.view(*hidden.shape[:-1], 2 * h)
 
 
@@ -69,7 +74,10 @@ if triton is not None:
         tl.store(OUT + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(OUT.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _embed_norm_cat_kernel(IDS, E, WE, HID, WH, OUT, H, eps, s_e, s_h, BLOCK: tl.constexpr):
+    def _embed_norm_cat_kernel(IDS, E, WE, HID, WH, OUT, H, eps, s_e, s_h, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)  # 0: the embedding half, 1: the hidden half
         cols = tl.arange(0, BLOCK)
@@ -84,7 +92,9 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(X, RES, RES_OUT, W, OUT, H, eps, stride_x, stride_r,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < H

@@ -15,6 +15,7 @@ import os
 import torch
 
 from specserve.kernels import gemv, kernel_failed, kernel_usable
+from specserve.kernels.pdl import launch, pdl
 
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
 
@@ -23,6 +24,7 @@ try:
     import triton.language as tl
 
     from specserve.kernels.gemv import _gemv_dot, _gemv_prologue, _gemv_weights
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -54,6 +56,7 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
     ids, table, w_embed = embed if embed is not None else (positions, x, x)
     k1, k2 = gemv.k_blocks(kx)
+    on = pdl(x)
     try:
         _qkv_rope_kernel[(programs, t)](
             x, residual if residual is not None else x, res_out if res_out is not None else q_out,
@@ -62,7 +65,7 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             x.stride(0), residual.stride(0) if residual is not None else 0, table.stride(0), weight.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=kx,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2,
-            WFIRST=gemv.WFIRST)
+            WFIRST=gemv.WFIRST, PDL=on, **launch(on))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rope", e)
         return None
@@ -74,8 +77,11 @@ if triton is not None:
     def _qkv_rope_kernel(X, RES, RES_OUT, NW, W, BIAS, IDS, E, NWE, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r,
                          s_e, s_w, sc_blk, sc_slot, sc_h, s_cos, BS, K: tl.constexpr, PROLOGUE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr,
-                         HKV: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, WFIRST: tl.constexpr):
-        """K: the width of x (EMBED_CAT: of each half of the input row)."""
+                         HKV: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, WFIRST: tl.constexpr,
+                         PDL: tl.constexpr):
+        """K: the width of x (EMBED_CAT: of each half of the input row). With PDL only the weights are
+        loaded before the predecessor kernel completes."""
+        pdl_begin(PDL)
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
         head = pid // (HALF // HB)  # q heads, then k heads, then v heads
@@ -89,6 +95,7 @@ if triton is not None:
                 u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
                 v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
                 z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
+            pdl_wait(PDL)
             tok = tl.load(IDS + t).to(tl.int64)
             e1, e2 = _gemv_prologue(E, RES, RES_OUT, NWE, tok, eps, s_e, 0, pid, K, 1, K1, K2, 1, 1)
             a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, 0, pid, K, 1, K1, K2, 1, 1)
@@ -103,6 +110,7 @@ if triton is not None:
             if WFIRST:
                 w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
                 u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+            pdl_wait(PDL)
             a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2, 1, 1)
             if not WFIRST:
                 w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)

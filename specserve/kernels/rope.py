@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
+from specserve.kernels.pdl import launch, pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
 
@@ -51,7 +54,7 @@ def rope_and_cache(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, s
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1],
             HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(hq, hkv)),
-            BLOCK_D=triton.next_power_of_2(d // 2))
+            BLOCK_D=triton.next_power_of_2(d // 2), PDL=pdl(q), **launch(pdl(q)))
     return q_out
 
 
@@ -60,7 +63,9 @@ if triton is not None:
     def _rope_cache_kernel(POS, Q, K, V, COS, SIN, KC, VC, SLOT, QO,
                            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_blk, sc_slot, sc_h, s_cos, BS,
                            HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(POS + t)
         h = tl.arange(0, BLOCK_H)[:, None]
