@@ -45,7 +45,7 @@ TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread a
 # More programs than this (token rows x feature blocks) run on cuBLAS instead (see linear_ref): on the
 # H200 the gate/up projection of a 1 + 4-token verify step (1,920 programs) took 7.4-8.8 µs in every launch
 # tried, cuBLAS and the norm kernel 6.0 (docs/BENCHMARKS.md, tenth session); 1,024 keeps every other
-# projection of the default model's verify steps (at most 720 programs) on these kernels.
+# projection of the default model's verify steps on these kernels, and with ``WIDE`` tiles (960 programs) that one.
 MAX_PROGRAMS = int(os.environ.get("SPECSERVE_GEMV_PROGRAMS", "1024"))  # 0: no limit (measurements)
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues (4: qkv_rope's EMBED_CAT)
 # SiLU(gate) * up of a gate/up projection run on the stream s times the norm's weight (``norm_folds``):
@@ -59,8 +59,10 @@ MERGE_MAX_SPLITS = 8  # every program merges every split (tables up to 2,048 key
 # Issue a program's weight loads before its prologue (the input row, its norm): SPECSERVE_GEMV_WFIRST=0 issues them
 # after it, as before (measurements: docs/BENCHMARKS.md, eleventh session)
 WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
-# Several-row steps take this many times the features per program ``block_n``'s fitted rules give (measurements)
-WIDE = max(1, int(os.environ.get("SPECSERVE_GEMV_WIDE", "1")))
+# Several-row steps take this many times the features per program ``block_n``'s fitted rules give: with
+# programmatic dependent launch (kernels/pdl.py) a kernel's successor overlaps it only once all its programs have
+# started, so fewer, wider programs won (docs/BENCHMARKS.md, nineteenth session). SPECSERVE_GEMV_WIDE=1: the rules.
+WIDE = max(1, int(os.environ.get("SPECSERVE_GEMV_WIDE", "2")))
 
 
 def gemv_enabled(x: torch.Tensor, k: int) -> bool:
@@ -74,7 +76,8 @@ def block_n(n: int, k: int, t: int = 1) -> int:
     """Output features per program for an [n, k] weight and ``t`` token rows. One row: a fixed tile. Several:
     fitted to the H200 at 5 rows (docs/BENCHMARKS.md, eighth and tenth sessions): a wide K takes twice the
     features per program (the down projection: 4.05 against 4.74 µs), and a projection with few programs
-    takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs); then ``WIDE`` times that."""
+    takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs); then ``WIDE`` times that
+    (a 1 + 4-token verify step's gate/up projection: 960 programs, on this kernel instead of cuBLAS)."""
     bn = max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
     if t > 1:
         if k > 1024:

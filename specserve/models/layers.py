@@ -154,8 +154,8 @@ class SwiGLU(nn.Module):
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL, add=residual)[0]
 
     def norm_folds(self, x: torch.Tensor) -> bool:
-        """Whether a few-row step with input x [T, H] has too many rows for the gate/up kernel (cuBLAS runs it,
-        a verify step's 1 + D rows), so the norm before it folds into its neighbours instead of running as a
+        """Whether a few-row step with input x [T, H] has too many rows for the gate/up kernel (cuBLAS runs it:
+        a step of 6-8 rows of the default model, or a wider model's verify step), so the norm before it folds into its neighbours instead of running as a
         kernel of its own: the o projection writes the stream s and s * the norm's weight, the GEMM takes the
         latter, and the down projection scales gate and up by 1 / rms(s) (``from_stream``). Not in float16: the
         GEMM's outputs are rms(s) times gate/up's, which a large stream could take past its range.
