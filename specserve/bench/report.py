@@ -17,6 +17,8 @@ def table(result: dict) -> str:
     lines = [f"model {meta['model']} · {meta['device']} · {meta['date']}",
              " · ".join(f"{k} {v}" for k, v in versions.items() if v is not None)
              + (f" · commit {meta['commit']}" if meta.get("commit") else "")]
+    if meta.get("settings"):
+        lines.append("settings: " + " · ".join(f"{k}={v}" for k, v in meta["settings"].items()))
     if meta.get("command"):
         lines.append(f"`{meta['command']}`")
     lines += ["",

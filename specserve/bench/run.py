@@ -15,6 +15,7 @@ since the machine's speed drifts between one engine's runs and the other's.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -337,7 +338,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     bw = copy_bandwidth(dev)
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=_device_name(dev), command=cfg.command,
                 commit=_git_commit(), versions=_versions(bool(cfg.compare)), model=str(cfg.model or "default"),
-                dtype=cfg.dtype, copy_bandwidth_gbps=bw, config=asdict(cfg), **extras)
+                dtype=cfg.dtype, copy_bandwidth_gbps=bw, config=asdict(cfg), settings=_settings(dev), **extras)
     result = dict(meta=meta, rows=rows, ratios=_ratios(rows))
     if cfg.out:
         from specserve.bench.report import write_outputs
@@ -375,6 +376,16 @@ def _git_commit() -> str | None:
         return sha.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _settings(dev: torch.device) -> dict:
+    """What changes the engine's kernels without a flag: the SPECSERVE_* variables set, and whether its Triton
+    kernels launch with programmatic dependent launch (``kernels.pdl``)."""
+    from specserve.kernels import pdl
+
+    out = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECSERVE_")}
+    out["pdl"] = dev.type == "cuda" and pdl.pdl(torch.empty(0, device=dev))
+    return out
 
 
 def _versions(with_transformers: bool) -> dict:
