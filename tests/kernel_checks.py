@@ -22,6 +22,8 @@ from specserve.kernels import gemv
 from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
+from specserve.runner.sampler import SamplingTensors
+from specserve.spec import accept as spec_accept
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # SPECSERVE_KERNEL_CHECKS=quick: the CPU suite's run through Triton's interpreter, which costs about a second per
@@ -213,6 +215,21 @@ def check_greedy_accept(device, dtype):
         ref_acc, ref_em = greedy_accept_ref(args[0], args[1], (cols[None, :] < args[2][:, None]) & args[3][:, None])
         assert torch.equal(acc, ref_acc) and torch.equal(em, ref_em), f"greedy accept, D={d}"
         assert int(ref_acc.max()) == d or d > 4, "the check should reach full acceptance"
+        # forced acceptance (spec.accept): the same draws as its PyTorch ops, seeds spanning 64 bits
+        seeds = torch.randint(-2 ** 62, 2 ** 62, (b,), generator=g)
+        offsets = torch.randint(0, 100000, (b,), generator=g)
+        for forced in (0.0, 1.5, d - 0.25, float(d)):
+            a = spec_accept.AcceptInputs(SamplingTensors(*(torch.zeros(b) for _ in range(4)), seeds, offsets, True, False),
+                                         greedy=torch.ones(b, dtype=torch.bool), can_accept=can,
+                                         relaxed=torch.zeros(b, dtype=torch.bool), relaxed_topk=torch.ones(b, dtype=torch.int64),
+                                         relaxed_delta=torch.zeros(b), thinking=torch.zeros(b, dtype=torch.bool),
+                                         simple_greedy=True)
+            ref_acc = spec_accept._forced(forced, num, a)
+            ref = (ref_acc, spec_accept.emit(drafts, argmax[torch.arange(b), ref_acc], ref_acc))
+            draw = spec_accept.ForcedDraw(int(forced), forced - int(forced), seeds.to(device), offsets.to(device),
+                                          spec_accept._FORCED_SALT ^ spec_accept._ACCEPT_SALT)
+            got = greedy_accept(*args, forced=draw)
+            assert all(torch.equal(x.cpu(), y) for x, y in zip(got, ref)), f"forced acceptance {forced}, D={d}"
 
 
 @kernel_check

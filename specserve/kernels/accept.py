@@ -1,4 +1,4 @@
-"""Greedy acceptance of a step's drafts in one kernel (the all-greedy case of ``spec.accept``).
+"""Greedy acceptance of a step's drafts in one kernel (the all-greedy case of ``spec.accept``, forced acceptance too).
 
 Per row: accept drafts while each equals the target's argmax at its position (and the row verifies that
 many drafts), then emit the accepted drafts followed by the bonus token, the argmax at the first position
@@ -7,6 +7,8 @@ concatenation); in a CUDA-graph step of a small model each launch costs about wh
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -43,10 +45,28 @@ def emit(drafts: torch.Tensor, bonus: torch.Tensor, accepted: torch.Tensor) -> t
     return torch.where(cols[None, :] < accepted[:, None], padded, bonus[:, None])
 
 
-def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, can_accept: torch.Tensor):
+@dataclass
+class ForcedDraw:
+    """Forced acceptance (benchmarks, ``spec.accept``): each row accepts ``base`` drafts, one more where its
+    uniform draw u < ``frac``, u = ((hash32(hash32(seed ^ salt) ^ offset * 0x2545F491) >> 8) + 0.5) / 2**24 with
+    seed ^ salt and each product taken mod 2**32 (``spec.accept._uniform_scalar``'s), at most what it may accept."""
+
+    base: int
+    frac: float
+    seeds: torch.Tensor  # [B] int64
+    offsets: torch.Tensor  # [B] int64
+    salt: int  # below 2**32
+
+
+def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, can_accept: torch.Tensor,
+                  forced: ForcedDraw | None = None):
     """argmax [B, D+1] int64 (the target's token at each verified position), drafts [B, D], num_drafts [B],
-    can_accept [B] bool -> (accepted [B], emitted [B, D+1]) int64, as ``greedy_accept_ref``."""
+    can_accept [B] bool -> (accepted [B], emitted [B, D+1]) int64, as ``greedy_accept_ref``; with ``forced``, the
+    drafts ``ForcedDraw`` counts accepted whatever they are, in the same kernel (the caller's ops elsewhere:
+    None there)."""
     b, d = drafts.shape
+    if forced is not None and (not use_triton(argmax) or d == 0):
+        return None
     if not use_triton(argmax) or d == 0:
         cols = torch.arange(d, device=drafts.device)
         return greedy_accept_ref(argmax, drafts, (cols[None, :] < num_drafts[:, None]) & can_accept[:, None])
@@ -56,15 +76,19 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
     emitted = torch.empty(b, d + 1, dtype=torch.int64, device=argmax.device)
     if b:
         on = pdl(argmax)
+        f = forced
         _greedy_accept_kernel[(b,)](argmax, drafts, num_drafts, can_accept, accepted, emitted, d,
-                                    argmax.stride(0), drafts.stride(0), BLOCK=triton.next_power_of_2(d + 1),
-                                    PDL=on, **launch(on))
+                                    argmax.stride(0), drafts.stride(0),
+                                    *((f.seeds.contiguous(), f.offsets.contiguous(), f.frac) if f else (argmax, argmax, 0.0)),
+                                    BLOCK=triton.next_power_of_2(d + 1), FORCE=f is not None,
+                                    BASE=f.base if f else 0, SALT=f.salt if f else 0, PDL=on, **launch(on))
     return accepted, emitted
 
 
 if triton is not None:
     @triton.jit
-    def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, BLOCK: tl.constexpr,
+    def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, SEEDS, OFFS, frac,
+                              BLOCK: tl.constexpr, FORCE: tl.constexpr, BASE: tl.constexpr, SALT: tl.constexpr,
                               PDL: tl.constexpr):
         pdl_begin(PDL)
         pdl_wait(PDL)
@@ -73,9 +97,26 @@ if triton is not None:
         tgt = tl.load(ARGMAX + row * s_a + cols, mask=cols <= D, other=-1)  # [BLOCK]: positions 0..D
         drf = tl.load(DRAFTS + row * s_d + cols, mask=cols < D, other=-2)  # [BLOCK]: drafts 1..D
         n = tl.load(NUM + row) * (tl.load(CAN + row) != 0).to(tl.int64)  # drafts this row may accept
-        ok = (drf == tgt) & (cols < n)
+        if FORCE:  # ForcedDraw: that many drafts, whatever they are
+            m32 = tl.full([], 65535, tl.int64) * 65536 + 65535  # 2**32 - 1 as int64 (a literal would be uint32)
+            h = _hash32((tl.load(SEEDS + row) ^ SALT) & m32, m32)
+            h = _hash32((h ^ ((tl.load(OFFS + row) * 0x2545F491) & m32)) & m32, m32)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            n = tl.minimum(BASE + (u < frac).to(tl.int64), n)
+            ok = cols < n
+        else:
+            ok = (drf == tgt) & (cols < n)
         # accepted = length of the all-true prefix = index of the first position that is not ok
         acc = tl.min(tl.where(ok, BLOCK, cols), axis=0)
         bonus = tl.sum(tl.where(cols == acc, tgt, 0), axis=0)
         tl.store(ACC + row, acc.to(tl.int64))
         tl.store(EMIT + row * (D + 1) + cols, tl.where(cols < acc, drf, bonus).to(tl.int64), mask=cols <= D)
+
+    @triton.jit
+    def _hash32(x, m32):
+        """``runner.sampler.hash32`` on an int64 holding a value below 2**32."""
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & m32
+        x = x ^ (x >> 15)
+        x = (x * 0x1B873593) & m32
+        return x ^ (x >> 16)

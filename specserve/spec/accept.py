@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels.accept import accepted_prefix, emit, greedy_accept
+from specserve.kernels.accept import ForcedDraw, accepted_prefix, emit, greedy_accept
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 
 _ACCEPT_SALT = 0x5BD1E995  # keeps acceptance draws independent of the sampling noise at the same index
+_FORCED_SALT = 0x1F2E3D  # forced acceptance's draws apart from sampled acceptance's
 
 
 @dataclass
@@ -88,6 +89,12 @@ def accept(
     argmax = argmax_lastdim(logits)  # [B, D+1]: also the argmax of every processed distribution
     if a.simple_greedy and forced is None:
         return greedy_accept(argmax, drafts, num_drafts, a.can_accept)  # one kernel on the GPU
+    if a.simple_greedy:  # on the GPU one kernel, as greedy acceptance (a benchmark's step costs what a real one does)
+        draw = ForcedDraw(int(forced), forced - int(forced), a.sampling.seeds, a.sampling.offsets,
+                          _FORCED_SALT ^ _ACCEPT_SALT)
+        out = greedy_accept(argmax, drafts, num_drafts, a.can_accept, forced=draw)
+        if out is not None:
+            return out
     rows = torch.arange(b, device=logits.device)
     if a.simple_greedy:
         accepted = _forced(forced, num_drafts, a)
@@ -140,6 +147,6 @@ def _forced(forced: float, num_drafts: torch.Tensor, a: AcceptInputs) -> torch.T
     base = int(forced)
     k = torch.full_like(num_drafts, base)
     if forced > base:
-        u = _uniform_scalar(a.sampling.seeds ^ 0x1F2E3D, a.sampling.offsets[:, None])[:, 0]  # [B]
+        u = _uniform_scalar(a.sampling.seeds ^ _FORCED_SALT, a.sampling.offsets[:, None])[:, 0]  # [B]
         k = k + (u < forced - base).to(k.dtype)
     return torch.minimum(k, num_drafts * a.can_accept)
