@@ -219,11 +219,11 @@ def check_greedy_accept(device, dtype):
         seeds = torch.randint(-2 ** 62, 2 ** 62, (b,), generator=g)
         offsets = torch.randint(0, 100000, (b,), generator=g)
         for forced in (0.0, 1.5, d - 0.25, float(d)):
-            a = spec_accept.AcceptInputs(SamplingTensors(*(torch.zeros(b) for _ in range(4)), seeds, offsets, True, False),
-                                         greedy=torch.ones(b, dtype=torch.bool), can_accept=can,
-                                         relaxed=torch.zeros(b, dtype=torch.bool), relaxed_topk=torch.ones(b, dtype=torch.int64),
-                                         relaxed_delta=torch.zeros(b), thinking=torch.zeros(b, dtype=torch.bool),
-                                         simple_greedy=True)
+            off = torch.zeros(b, dtype=torch.bool)
+            sampling = SamplingTensors(*(torch.zeros(b) for _ in range(4)), seeds, offsets, True, False)
+            a = spec_accept.AcceptInputs(sampling, greedy=~off, can_accept=can, relaxed=off,
+                                         relaxed_topk=torch.ones(b, dtype=torch.int64), relaxed_delta=torch.zeros(b),
+                                         thinking=off, simple_greedy=True)
             ref_acc = spec_accept._forced(forced, num, a)
             ref = (ref_acc, spec_accept.emit(drafts, argmax[torch.arange(b), ref_acc], ref_acc))
             draw = spec_accept.ForcedDraw(int(forced), forced - int(forced), seeds.to(device), offsets.to(device),

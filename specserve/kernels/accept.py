@@ -77,9 +77,9 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
     if b:
         on = pdl(argmax)
         f = forced
+        draw = (f.seeds.contiguous(), f.offsets.contiguous(), f.frac) if f else (argmax, argmax, 0.0)
         _greedy_accept_kernel[(b,)](argmax, drafts, num_drafts, can_accept, accepted, emitted, d,
-                                    argmax.stride(0), drafts.stride(0),
-                                    *((f.seeds.contiguous(), f.offsets.contiguous(), f.frac) if f else (argmax, argmax, 0.0)),
+                                    argmax.stride(0), drafts.stride(0), *draw,
                                     BLOCK=triton.next_power_of_2(d + 1), FORCE=f is not None,
                                     BASE=f.base if f else 0, SALT=f.salt if f else 0, PDL=on, **launch(on))
     return accepted, emitted
