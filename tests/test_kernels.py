@@ -27,7 +27,7 @@ def test_kernel_matches_reference_on_gpu(check, dtype):
 
 @pytest.fixture(scope="module")
 def interpreter_runs(tmp_path_factory):
-    """Both interpreter scripts started at once, with the quick shapes (kernel_checks.QUICK; the full ones take
+    """Both interpreter scripts started at once, with the quick shapes (check_util.QUICK; the full ones take
     40 minutes here, ``TRITON_INTERPRET=1 SPECSERVE_BUILD_SM=90 python tests/kernel_checks.py cpu`` runs
     them): each is one Python thread, so on a 2-core machine they finish together in the time of one. Each
     also builds every kernel signature it launched for sm_90 (kernel_build.py): the interpreter runs code

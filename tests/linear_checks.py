@@ -1,0 +1,258 @@
+"""The few-row linear kernels (``kernels/gemv.py``, ``kernels/qkv_rope.py``) against their PyTorch references:
+every prologue, int8 weights, the argmax inside the projection, the norm folded into its neighbours and the
+attention merge folded into the o projection. Part of ``kernel_checks.CHECKS``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from check_util import QUICK, _close, kernel_check
+from specserve.kernels import gemv
+from specserve.kernels.argmax import argmax_lastdim
+from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
+from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
+from specserve.kernels.norm import embed_norm_cat
+from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
+from specserve.kernels.rope import rope_and_cache
+
+
+@kernel_check
+def check_qkv_rope(device, dtype):
+    """The qkv projection with RoPE and the cache write inside against the projection and then the rope kernel
+    (q heads rotated, k rotated and v as is into the cache; their sums run in another order, so close, not
+    equal), for each prologue (a draft head's: against ``embed_norm_cat``), with and without a bias, with the
+    weights loaded first and after the prologue; a row of a 5-row step exactly as the same row in steps of 1
+    and 2 rows (a verify row rounds as a decode row)."""
+    g = torch.Generator().manual_seed(12)
+    hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
+    n = (hq + 2 * hkv) * d
+    w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(100).float(), inv)
+    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    x = torch.randn(5, k, generator=g).to(device, dtype)
+    res = torch.randn(5, k + 8, generator=g).to(device, dtype)[:, :k]
+    w2 = (0.05 * torch.randn(n, 2 * k, generator=g)).to(device, dtype)  # EMBED_CAT's projection: [embedding, x]
+    table = torch.randn(50, k, generator=g).to(device, dtype)
+    nw_e = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    ids = torch.tensor([3, 49, 0, 7, 3], device=device)
+    pos = torch.tensor([0, 5, 17, 40, 99], device=device)
+    slots = torch.tensor([16, 21, 33, 79, 64], device=device)
+    wfirst = gemv.WFIRST
+    try:
+        for first in (True, False):
+            gemv.WFIRST = first
+            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, bias if first else None), (EMBED_CAT, None)):
+                what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
+                caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
+
+                def args(rows):
+                    return (x[rows], w2 if pro == EMBED_CAT else w, b, pro, res[rows] if pro == ADD_NORM else None,
+                            None if pro == NONE else nw, 1e-5)
+
+                def embed(rows):  # a draft head's input: a token's embedding and a hidden state, each normed
+                    return dict(embed=(ids[rows], table, nw_e)) if pro == EMBED_CAT else {}
+                got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d,
+                                     **embed(slice(None)))
+                assert got is not None, "the check would compare the reference with itself"
+                if pro == EMBED_CAT:
+                    qkv, r = fused_linear(embed_norm_cat(ids, table, nw_e, x, nw, 1e-5), w2)
+                else:
+                    qkv, r = fused_linear(*args(slice(None)))
+                q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                ref_q = rope_and_cache(pos, q.view(5, hq, d), kk.view(5, hkv, d), v.view(5, hkv, d), cos, sin,
+                                       *caches[1], slots)
+                _close(got[0], ref_q, dtype, what + ": q")
+                _close(caches[0], caches[1], dtype, what + ": cache")
+                assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
+                for rows in (slice(2, 3), slice(1, 3)):  # the same row in a step of 1 and of 2 rows
+                    caches[2].zero_()
+                    part = qkv_rope_cache(*args(rows), pos[rows], cos, sin, *caches[2], slots[rows], hq, hkv, d,
+                                          **embed(rows))
+                    assert torch.equal(part[0][-1], got[0][2]), what + f": row 2 in a step of {part[0].shape[0]}"
+                    kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
+                    assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), \
+                        what + f": its cache entries in a step of {part[0].shape[0]}"
+    finally:
+        gemv.WFIRST = wfirst
+
+
+def check_gemv(device, dtype):
+    # K loaded in one block or split in two (576 = 512 + 64); the weights loaded after the prologue or first
+    old, wfirst = os.environ.get("SPECSERVE_GEMV_SPLITK"), gemv.WFIRST
+    try:
+        variants = (("0", False), ("1", True)) if QUICK else (("0", False), ("0", True), ("1", False), ("1", True))
+        for split, first in variants:
+            os.environ["SPECSERVE_GEMV_SPLITK"], gemv.WFIRST = split, first
+            _check_gemv(device, dtype)
+    finally:
+        gemv.WFIRST = wfirst
+        if old is None:
+            del os.environ["SPECSERVE_GEMV_SPLITK"]
+        else:
+            os.environ["SPECSERVE_GEMV_SPLITK"] = old
+
+
+@kernel_check
+def _check_gemv(device, dtype):
+    g = torch.Generator().manual_seed(9)
+    # a partial block of output features (100 = 12 x 8 + 4, quick: 36), a width that is not a power of two, the
+    # widest K and the most rows the kernels take
+    for n, k, ts in ((36, 576, (1, 5)), (20, 2048, (8,))) if QUICK else \
+            ((100, 576, (1, 5)), (40, 1000, (1, 5)), (20, 2048, (8,))):
+        w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+        bias = torch.randn(n, generator=g).to(device, dtype)
+        for t in ts:
+            x = torch.randn(t, k, generator=g).to(device, dtype)
+            assert gemv_enabled(x, k), "the check would compare the reference with itself"
+            # row strides of their own (the kernels must not mix them up)
+            res = torch.randn(t, k + 16, generator=g).to(device, dtype)[:, :k]
+            gu = torch.randn(t, 2 * k, generator=g).to(device, dtype)
+            add = torch.randn(t, n + 8, generator=g).to(device, dtype)[:, :n]
+            wide = torch.randn(t, k + 32, generator=g).to(device, dtype)[:, :k]
+            for what, args in (("plain", (x, w)), ("bias", (x, w, bias)), ("strided", (wide, w)),
+                               ("norm", (x, w, None, NORM, None, nw, 1e-5)),
+                               ("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
+                               ("silu-mul", (gu, w, None, SILU_MUL)),
+                               ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
+                ref, rr = linear_ref(*args)
+                out, r = fused_linear(*args)
+                _close(out, ref, dtype, f"gemv {what} n={n} k={k} t={t}")
+                assert (r is None) == (rr is None)
+                if rr is not None:
+                    assert torch.equal(r, rr), f"gemv residual n={n} k={k} t={t}"
+            # the norm folded into its neighbours (SwiGLU.norm_folds): the o projection writing the stream and the
+            # stream times the norm's weight, the down projection scaling gate and up by 1 / rms(stream)
+            nw_n = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype)
+            sv, sc = gemv.linear_add_scaled(x, w, bias, add, nw_n)
+            _close(sv, linear_ref(x, w, bias, add=add)[0], dtype, f"gemv add+scaled n={n} k={k} t={t}")
+            assert torch.equal(sc, nw_n * sv), f"gemv scaled copy n={n} k={k} t={t}"
+            stream = torch.randn(t, 3 * n + 5, generator=g).to(device, dtype)[:, :n + 5]  # its own width and stride
+            for extra in (None, add):
+                args = (gu, w, bias, gemv.SILU_MUL_RSTD, stream, None, 1e-5, extra)
+                _close(fused_linear(*args)[0], linear_ref(*args)[0], dtype, f"gemv silu-mul/rms n={n} k={k} t={t}")
+            # int8 rows with a scale each (a draft head's output layer): as the dequantized weights
+            q, sc = gemv.quantize_rows(w)
+            assert q.dtype == torch.int8 and (q.float() * sc[:, None] - w.float()).abs().max() <= sc.max() / 2 + 1e-6
+            deq = (q.float() * sc[:, None]).to(dtype)
+            for launch in ({}, {"block": 32, "num_warps": 4}):  # the default, and the output layer's (layers.py)
+                out, _ = fused_linear(x, q, None, NORM, None, nw, 1e-5, scale=sc, **launch)
+                _close(out, linear_ref(x, deq, None, NORM, None, nw, 1e-5)[0], dtype,
+                       f"gemv int8 n={n} k={k} t={t} {launch}")
+                # the argmax inside the projection: exactly the argmax of its outputs, ties to the lowest index
+                ids = torch.randperm(4 * n, generator=g)[:n].to(device)
+                for wq, scale in ((q, sc), (w, None)):
+                    logits = fused_linear(x, wq, None, NORM, None, nw, 1e-5, scale=scale, **launch)[0]
+                    for m in (None, ids):
+                        got = gemv.fused_argmax(x, wq, NORM, nw, 1e-5, scale=scale, ids=m, **launch)
+                        assert torch.equal(got, argmax_lastdim(logits, m)), f"gemv argmax n={n} k={k} t={t} {launch}"
+            # every logit negative: the masked columns past N (a partial last block) must not win with a zero
+            xp, wn = x.abs(), -w.abs()
+            got = gemv.fused_argmax(xp, wn)
+            assert torch.equal(got, argmax_lastdim(fused_linear(xp, wn)[0])) and int(got.max()) < n, \
+                f"gemv argmax, negative logits n={n} k={k} t={t}"
+            if t == 1:  # the best row copied to a lower index and to the last (other programs): the lowest wins
+                j = int(argmax_lastdim(fused_linear(x, w, None, NORM, None, nw, 1e-5)[0])[0])
+                tie = w.clone()
+                tie[j // 2] = tie[n - 1] = w[j]
+                got = gemv.fused_argmax(x, tie, NORM, nw, 1e-5)
+                assert int(got[0]) == j // 2, f"gemv argmax ties n={n} k={k}"
+            if t < 3:
+                continue
+            # with the same launch each token row rounds as it would alone
+            bn = gemv.block_n(n, k, t)
+            one, _ = fused_linear(x[2:3], w, bias, ADD_NORM, res[2:3], nw, 1e-5, block=bn)
+            all_rows, _ = fused_linear(x, w, bias, ADD_NORM, res, nw, 1e-5, block=bn)
+            assert torch.equal(one[0], all_rows[2]), "row independence"
+            # a step with more programs than MAX_PROGRAMS: the prologue's kernel, then cuBLAS
+            limit, gemv.MAX_PROGRAMS = gemv.MAX_PROGRAMS, 8
+            try:
+                for what, args in (("add+norm", (x, w, bias, ADD_NORM, res, nw, 1e-5)),
+                                   ("silu-mul+add", (gu, w, bias, SILU_MUL, None, None, 0.0, add))):
+                    out, r = fused_linear(*args)
+                    ref, rr = gemv.linear_ref(*args, kernels=True)
+                    assert torch.equal(out, ref), f"gemv beyond MAX_PROGRAMS {what}"
+                    _close(out, linear_ref(*args)[0], dtype, f"gemv unfused {what} n={n} k={k} t={t}")
+                    assert (r is None) == (rr is None) and (r is None or torch.equal(r, rr))
+            finally:
+                gemv.MAX_PROGRAMS = limit
+
+
+@kernel_check
+def check_norm_fold(device, dtype):
+    """The MLP with the norm before it folded (``SwiGLU.from_stream`` after ``linear_add_scaled``) == the MLP
+    after that norm (``SwiGLU.after_norm`` / ``after_norm_sum``), at the default model's widths (quick: small
+    ones) and a verify step's 5 rows, where the engine folds."""
+    from specserve.models.layers import RMSNorm, SwiGLU
+
+    g = torch.Generator().manual_seed(7)
+    for h, i, a in ((80, 192, 96),) if QUICK else ((576, 1536, 576), (64, 128, 96)):
+        mlp = SwiGLU(h, i, bias=False)
+        norm = RMSNorm(h, 1e-5)
+        for p in (mlp.gate_up_proj.weight, mlp.down_proj.weight):
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+        norm.weight.copy_(1 + 0.1 * torch.randn(h, generator=g))
+        mlp.to(device, dtype)
+        norm.to(device, dtype)
+        w_o = (torch.randn(h, a, generator=g) / a ** 0.5).to(device, dtype)
+        for t in (1, 5):
+            attn = torch.randn(t, a, generator=g).to(device, dtype)
+            stream = torch.randn(t, h, generator=g).to(device, dtype)
+            s, scaled = gemv.linear_add_scaled(attn, w_o, None, stream, norm.weight)
+            o = fused_linear(attn, w_o)[0]
+            want, want_s = mlp.after_norm(norm, o, stream)
+            _close(s, want_s, dtype, f"norm fold: stream h={h} t={t}")
+            _close(mlp.from_stream(norm, s, scaled), want, dtype, f"norm fold: mlp h={h} t={t}")
+            _close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream), dtype,
+                   f"norm fold: mlp + stream h={h} t={t}")
+
+
+@kernel_check
+def check_attn_merge_fold(device, dtype):
+    """The o projection merging an attention step's split partial sums in its prologue (``gemv.merged_linear``)
+    == the merge kernel, then the o projection (``fused_linear``; with the next norm folded,
+    ``linear_add_scaled``), and near the SDPA reference: one verify row of 5 queries, and 3 decode rows."""
+    from specserve.kernels.attention import AttnPartials, _flat_index
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d, h = (3, 1, 32, 40) if QUICK else (9, 3, 64, 576)
+    n_blocks, bs, m = 128, 16, (20 if QUICK else 40)
+    kc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
+    vc = torch.randn(n_blocks, bs, hkv, d, generator=g).to(device, dtype)
+    w = (torch.randn(h, hq * d, generator=g) / (hq * d) ** 0.5).to(device, dtype)
+    bias = (0.1 * torch.randn(h, generator=g)).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(device, dtype)
+    for lens in ([(m * bs - 20, 5)], [(m * bs - 3, 1), (37, 1), (m * bs // 2, 1)]):
+        qw = max(nq for _, nq in lens)
+        t = sum(nq for _, nq in lens)
+        tables = (torch.randperm(n_blocks - 1, generator=g)[:len(lens) * m] + 1).view(len(lens), m)
+        qidx = torch.full((len(lens), qw), t, dtype=torch.int64)
+        qpos = torch.zeros(len(lens), qw, dtype=torch.int64)
+        t0 = 0
+        for b, (ctx, nq) in enumerate(lens):
+            qidx[b, :nq] = torch.arange(t0, t0 + nq)
+            qpos[b, :nq] = torch.arange(ctx - nq, ctx)
+            t0 += nq
+        q = torch.randn(t, hq, d, generator=g).to(device, dtype)
+        args = (q, kc, vc, tables.to(device), qidx.to(device), qpos.to(device), d ** -0.5)
+        parts = paged_attention_triton(*args, flat_index=_flat_index(args[4], t))
+        assert isinstance(parts, AttnPartials) and parts.num_splits > 1, "the step did not split its keys"
+        stream = torch.randn(t, h, generator=g).to(device, dtype)
+        got = gemv.merged_linear(parts, w, bias)
+        got_s, got_scaled = gemv.merged_linear(parts, w, None, stream, nw)
+        assert got is not None and got[1] is None, "the merged o projection did not take the few-row kernel"
+        merged = parts.merge().view(t, hq * d)
+        want = fused_linear(merged, w, bias)[0]
+        want_s, want_scaled = gemv.linear_add_scaled(merged, w, None, stream, nw)
+        exact = device == "cpu"  # the interpreter sums alike; a GPU compiler may contract the merge otherwise
+        for a, b, what in ((got[0], want, "o"), (got_s, want_s, "o + stream"), (got_scaled, want_scaled, "scaled")):
+            if exact:
+                assert torch.equal(a, b), f"merged o projection ({what}, {len(lens)} rows) differs from merge + o"
+            _close(a, b, dtype, f"merged o projection ({what}, {len(lens)} rows)")
+        ref = paged_attention_sdpa(*args).reshape(t, hq * d)
+        _close(got[0], linear_ref(ref, w, bias)[0], dtype, f"merged o projection against SDPA, {len(lens)} rows")
