@@ -27,6 +27,14 @@ except ImportError:
 
 ENABLED = os.environ.get("SPECSERVE_PDL", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_HAS_GDC = False
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        _HAS_GDC = True
+    except ImportError:  # a Triton before PDL: every launch is an ordinary one (``pdl`` is False)
+        gdc_launch_dependents = gdc_wait = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,15 +54,7 @@ def launch(on: bool) -> dict:
     return {"launch_pdl": True} if on else {}
 
 
-_HAS_GDC = False
 if triton is not None:
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-        _HAS_GDC = True
-    except ImportError:  # a Triton before PDL: every launch is an ordinary one (``pdl`` is False)
-        gdc_launch_dependents = gdc_wait = None
-
     @triton.jit
     def pdl_begin(PDL: tl.constexpr):
         """Let the next kernel launch once every program of this one has started."""
