@@ -140,20 +140,27 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, meta, k_cache, v_cache, rows=None):
         """Returns (layer output before the residual add, residual); their sum is the stream. ``rows``: as
         ``Attention.normed`` (every token's KV, the output at those tokens only)."""
+        return self.forward_with_input(x, residual, positions, meta, k_cache, v_cache, rows)[:2]
+
+    def forward_with_input(self, x, residual, positions, meta, k_cache, v_cache, rows=None):
+        """``forward``'s pair and the layer's input stream x + residual [T, H] (x for the first layer): the
+        previous layer's output, an EAGLE-3 auxiliary hidden state, at no extra kernel (on the few-row path
+        the qkv projection's prologue writes it)."""
         if self.mlp.few_row_path(x):  # few rows on the GPU: the input norm runs inside the qkv projection
             post = self.post_attention_layernorm
             fold = post if self.mlp.norm_folds(_row_count_view(x, rows)) else None
             h, res = self.self_attn.normed(x, positions, meta, k_cache, v_cache, NORM if residual is None else ADD_NORM,
                                            residual, self.input_layernorm, fold=fold, rows=rows)
+            stream = x if residual is None else res  # [T, H]
             if fold is not None:  # h = (the stream after attention, it times post's weight)
-                return self.mlp.from_stream(post, *h), h[0]
-            return self.mlp.after_norm(post, h, at_rows(x if residual is None else res, rows))
+                return self.mlp.from_stream(post, *h), h[0], stream
+            return (*self.mlp.after_norm(post, h, at_rows(stream, rows)), stream)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        return self.body(h, residual, positions, meta, k_cache, v_cache, rows)
+        return (*self.body(h, residual, positions, meta, k_cache, v_cache, rows), residual)
 
     def body(self, h, residual, positions, meta, k_cache, v_cache, rows=None):
         """The layer after its input norm: h = normed input stream, residual = the input stream itself."""
@@ -206,9 +213,7 @@ class LlamaForCausalLM(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i - 1 in aux_layers:  # layer i - 1's output stream is the sum that this layer's input norm forms
-                h, residual = layer.input_layernorm(x, residual)
-                captured[i - 1] = residual
-                x, residual = layer.body(h, residual, positions, meta, *kv_caches[i])
+                x, residual, captured[i - 1] = layer.forward_with_input(x, residual, positions, meta, *kv_caches[i])
             else:
                 x, residual = layer(x, residual, positions, meta, *kv_caches[i])
         x, residual = self.norm(x, residual)
