@@ -126,6 +126,10 @@ def check_greedy_accept(device, dtype):
         cols = torch.arange(d, device=device)
         ref_acc, ref_em = greedy_accept_ref(args[0], args[1], (cols[None, :] < args[2][:, None]) & args[3][:, None])
         assert torch.equal(acc, ref_acc) and torch.equal(em, ref_em), f"greedy accept, D={d}"
+        buf = torch.full((d + 3, b), -1, dtype=torch.int64, device=device)  # a step's result rows, one row more
+        greedy_accept(*args, out=buf[:d + 2])
+        assert torch.equal(buf[0], ref_acc) and torch.equal(buf[1:d + 2].t(), ref_em) and (buf[d + 2] == -1).all(), \
+            f"greedy accept into the result rows, D={d}"
         assert int(ref_acc.max()) == d or d > 4, "the check should reach full acceptance"
         # forced acceptance (spec.accept): the same draws as its PyTorch ops, seeds spanning 64 bits
         seeds = torch.randint(-2 ** 62, 2 ** 62, (b,), generator=g)

@@ -151,6 +151,13 @@ def _check_gemv(device, dtype):
                     for m in (None, ids):
                         got = gemv.fused_argmax(x, wq, NORM, nw, 1e-5, scale=scale, ids=m, **launch)
                         assert torch.equal(got, argmax_lastdim(logits, m)), f"gemv argmax n={n} k={k} t={t} {launch}"
+                # without a prologue, into a strided column (a column of the step's result)
+                logits = fused_linear(x, q, None, NONE, scale=sc, **launch)[0]
+                dest = torch.full((t, 3), -1, dtype=torch.int64, device=device)
+                got = gemv.fused_argmax(x, q, scale=sc, ids=ids, out=dest[:, 1], **launch)
+                assert torch.equal(dest[:, 1], argmax_lastdim(logits, ids)) and (dest[:, 0] == -1).all() \
+                    and (dest[:, 2] == -1).all() and got.data_ptr() == dest[:, 1].data_ptr(), \
+                    f"gemv argmax, no prologue, into a column n={n} k={k} t={t} {launch}"
             # every logit negative: the masked columns past N (a partial last block) must not win with a zero
             xp, wn = x.abs(), -w.abs()
             got = gemv.fused_argmax(xp, wn)

@@ -108,7 +108,7 @@ class OracleHead(DraftHead):
         super().__init__()
         self.refs, self.vocab, self.wrong_from = refs, vocab, wrong_from
 
-    def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
+    def propose(self, x: DraftInputs, kv: list, out=None) -> torch.Tensor:  # a new tensor: the worker places it
         out = []
         for row, pos in zip(x.host_rows, x.last_pos.tolist()):
             req = row.request
@@ -236,7 +236,7 @@ def test_draft_step0_over_last_tokens_equals_all_tokens(dirs, head, monkeypatch)
         outs, drafts = [], []
         step0, propose = h.step0, h.propose
         h.step0 = lambda x, kv: outs.append(step0(x, kv)) or outs[-1]
-        h.propose = lambda x, kv: drafts.append(propose(x, kv)) or drafts[-1]
+        h.propose = lambda x, kv, out=None: drafts.append(propose(x, kv)) or drafts[-1]  # a new tensor each step
         tokens = [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)]
         return tokens, outs, drafts, llm.engine.kv_cache.tensor[llm.engine.model_config.num_hidden_layers:].clone()
 

@@ -59,11 +59,12 @@ class ForcedDraw:
 
 
 def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, can_accept: torch.Tensor,
-                  forced: ForcedDraw | None = None):
+                  forced: ForcedDraw | None = None, out: torch.Tensor | None = None):
     """argmax [B, D+1] int64 (the target's token at each verified position), drafts [B, D], num_drafts [B],
     can_accept [B] bool -> (accepted [B], emitted [B, D+1]) int64, as ``greedy_accept_ref``; with ``forced``, the
     drafts ``ForcedDraw`` counts accepted whatever they are, in the same kernel (the caller's ops elsewhere:
-    None there)."""
+    None there). ``out`` [D+2, B] int64 (rows of the step's result): the kernel writes accepted to out[0] and
+    emitted to out[1:].t() and returns those views (the reference returns tensors of its own)."""
     b, d = drafts.shape
     if forced is not None and (not use_triton(argmax) or d == 0):
         return None
@@ -72,14 +73,15 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
         return greedy_accept_ref(argmax, drafts, (cols[None, :] < num_drafts[:, None]) & can_accept[:, None])
     # the kernel reads rows with unit column stride (no-ops for the worker's tensors)
     argmax, drafts, num_drafts, can_accept = (x.contiguous() for x in (argmax, drafts, num_drafts, can_accept))
-    accepted = torch.empty(b, dtype=torch.int64, device=argmax.device)
-    emitted = torch.empty(b, d + 1, dtype=torch.int64, device=argmax.device)
+    if out is None:
+        out = torch.empty(d + 2, b, dtype=torch.int64, device=argmax.device)
+    accepted, emitted = out[0], out[1:].t()  # [B], [B, D+1] (strides 1, B)
     if b:
         on = pdl(argmax)
         f = forced
         draw = (f.seeds.contiguous(), f.offsets.contiguous(), f.frac) if f else (argmax, argmax, 0.0)
         _greedy_accept_kernel[(b,)](argmax, drafts, num_drafts, can_accept, accepted, emitted, d,
-                                    argmax.stride(0), drafts.stride(0), *draw,
+                                    argmax.stride(0), drafts.stride(0), accepted.stride(0), *emitted.stride(), *draw,
                                     BLOCK=triton.next_power_of_2(d + 1), FORCE=f is not None,
                                     BASE=f.base if f else 0, SALT=f.salt if f else 0, PDL=on, **launch(on))
     return accepted, emitted
@@ -87,7 +89,7 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
 
 if triton is not None:
     @triton.jit
-    def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, SEEDS, OFFS, frac,
+    def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, s_acc, s_er, s_ec, SEEDS, OFFS, frac,
                               BLOCK: tl.constexpr, FORCE: tl.constexpr, BASE: tl.constexpr, SALT: tl.constexpr,
                               PDL: tl.constexpr):
         pdl_begin(PDL)
@@ -109,8 +111,8 @@ if triton is not None:
         # accepted = length of the all-true prefix = index of the first position that is not ok
         acc = tl.min(tl.where(ok, BLOCK, cols), axis=0)
         bonus = tl.sum(tl.where(cols == acc, tgt, 0), axis=0)
-        tl.store(ACC + row, acc.to(tl.int64))
-        tl.store(EMIT + row * (D + 1) + cols, tl.where(cols < acc, drf, bonus).to(tl.int64), mask=cols <= D)
+        tl.store(ACC + row * s_acc, acc.to(tl.int64))
+        tl.store(EMIT + row * s_er + cols * s_ec, tl.where(cols < acc, drf, bonus).to(tl.int64), mask=cols <= D)
 
     @triton.jit
     def _hash32(x, m32):

@@ -53,14 +53,17 @@ def pick_fits(n_chunks: int) -> bool:
     return triton is not None and 0 < n_chunks <= MAX_PICK
 
 
-def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Each chunk's largest value and its index, part_v / part_i [N, C] (float32, int64; C <= MAX_PICK) -> the
-    index of the largest per row [N] int64, the lowest chunk on ties (with ``ids``: ``ids`` at that index)."""
+    index of the largest per row [N] int64, the lowest chunk on ties (with ``ids``: ``ids`` at that index),
+    written to ``out`` [N] int64 (any stride, e.g. a column of the step's result) when given."""
     n, nc = part_v.shape
-    out = torch.empty(n, dtype=torch.int64, device=part_v.device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=part_v.device)
     on = pdl(part_v)
-    _argmax_pick[(n,)](part_v, part_i, out, nc, out if ids is None else ids, BLOCK=triton.next_power_of_2(nc),
-                       MAP=ids is not None, PDL=on, **launch(on))
+    _argmax_pick[(n,)](part_v, part_i, out, nc, out if ids is None else ids, out.stride(0),
+                       BLOCK=triton.next_power_of_2(nc), MAP=ids is not None, PDL=on, **launch(on))
     return out
 
 
@@ -78,7 +81,7 @@ if triton is not None:
         tl.store(PI + row * NC + c, (c * CHUNK + at).to(tl.int64))
 
     @triton.jit
-    def _argmax_pick(PV, PI, OUT, NC, IDS, BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr):
+    def _argmax_pick(PV, PI, OUT, NC, IDS, s_out, BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr):
         pdl_begin(PDL)
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -88,4 +91,4 @@ if triton is not None:
         best = tl.load(PI + row * NC + at)
         if MAP:
             best = tl.load(IDS + best)
-        tl.store(OUT + row, best)
+        tl.store(OUT + row * s_out, best)

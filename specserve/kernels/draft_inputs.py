@@ -64,11 +64,12 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
     rows3 = torch.empty(3, b, dtype=torch.int64, device=dev)  # last_col, last_idx, last_pos
     ids0 = torch.empty(t, dtype=torch.int64, device=dev)
     chain = torch.empty(2, k, b, dtype=torch.int64, device=dev)  # positions, slots
-    contig = [x.contiguous() for x in args]
+    # emitted is read through its strides (the step's result rows: [B, D+1] with strides 1, B); the rest contiguous
+    contig = [x if i == 1 else x.contiguous() for i, x in enumerate(args)]
     on = pdl(ext)
     try:
         _draft_inputs_kernel[(b + triton.cdiv(t, BLOCK_T),)](
-            *contig, ext_out, rows3, ids0, chain, b, w, t, tables.shape[1], k, max_pos, contig[1].stride(0),
+            *contig, ext_out, rows3, ids0, chain, b, w, t, tables.shape[1], k, max_pos, *emitted.stride(),
             BS=block_size, PAD=PAD_BLOCK, W_BLOCK=triton.next_power_of_2(w), K_BLOCK=triton.next_power_of_2(k),
             BLOCK_T=BLOCK_T, PDL=on, **launch(on))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
@@ -81,7 +82,7 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
 if triton is not None:
     @triton.jit
     def _draft_inputs_kernel(ACC, EMIT, BASE, T0, START, EXT, OK, TAB, ROW, COL, EXT_OUT, ROWS3, IDS0, CHAIN,
-                             B, W, T, M, K, MAX_POS, s_emit, BS: tl.constexpr, PAD: tl.constexpr,
+                             B, W, T, M, K, MAX_POS, s_emit, s_ec, BS: tl.constexpr, PAD: tl.constexpr,
                              W_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
                              PDL: tl.constexpr):
         pdl_begin(PDL)
@@ -91,7 +92,7 @@ if triton is not None:
             acc = tl.load(ACC + p)
             lc = tl.load(BASE + p) + acc
             ok = tl.load(OK + p) != 0
-            bonus = tl.load(EMIT + p * s_emit + acc)
+            bonus = tl.load(EMIT + p * s_emit + acc * s_ec)
             e = tl.arange(0, W_BLOCK).to(tl.int64)
             x = tl.load(EXT + p * W + e, mask=e < W, other=0)
             tl.store(EXT_OUT + p * W + e, tl.where(ok & (e == lc + 1), bonus, x), mask=e < W)
@@ -115,6 +116,6 @@ if triton is not None:
             t_acc = tl.load(ACC + row, mask=tm, other=0)
             t_lc = tl.load(BASE + row, mask=tm, other=0) + t_acc
             t_ok = tl.load(OK + row, mask=tm, other=0) != 0
-            t_bonus = tl.load(EMIT + row * s_emit + t_acc, mask=tm, other=0)
+            t_bonus = tl.load(EMIT + row * s_emit + t_acc * s_ec, mask=tm, other=0)
             t_x = tl.load(EXT + row * W + col + 1, mask=tm, other=0)
             tl.store(IDS0 + t, tl.where(t_ok & (col == t_lc), t_bonus, t_x), mask=tm)

@@ -210,11 +210,11 @@ def takes_kernel(n: int, k: int, t: int) -> bool:
 
 
 def fused_argmax(x, weight, prologue: int = NONE, norm_weight=None, eps: float = 0.0, scale=None, ids=None,
-                 block: int | None = None, num_warps: int = 4):
+                 block: int | None = None, num_warps: int = 4, out=None):
     """x [T, K] -> argmax over ``fused_linear(x, weight, None, prologue, ...)``'s outputs per row [T] int64 (with
     ``ids`` [N]: ``ids`` at that index), ties to the lowest index: a draft step's output layer and its argmax in
     two kernels, the projection writing each program's best output instead of the logits, ``argmax_pick``
-    choosing among them. Elsewhere: ``argmax_lastdim`` over ``fused_linear``."""
+    choosing among them (into ``out`` [T] when given). Elsewhere: ``argmax_lastdim`` over ``fused_linear``."""
     if _fusable(x, weight, None, None, norm_weight, None):
         t, (n, k) = x.shape[0], weight.shape
         bn = block or block_n(n, k, t)
@@ -224,7 +224,7 @@ def fused_argmax(x, weight, prologue: int = NONE, norm_weight=None, eps: float =
             part_i = torch.empty(t, chunks, dtype=torch.int64, device=x.device)
             if _launch(x, weight, None, prologue, None, norm_weight, eps, None, scale, part_v, None, (part_v, part_i),
                        bn, num_warps):
-                return argmax_pick(part_v, part_i, ids)
+                return argmax_pick(part_v, part_i, ids, out)
     logits = fused_linear(x, weight, None, prologue, None, norm_weight, eps, block=block, num_warps=num_warps,
                           scale=scale)[0]
     return argmax_lastdim(logits, ids)

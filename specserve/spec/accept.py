@@ -75,11 +75,14 @@ def accept(
     num_drafts: torch.Tensor,
     a: AcceptInputs,
     forced: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, D+1, V] float32 at the verified positions (any float dtype when ``a.simple_greedy``: only their
     argmax is read); drafts [B, D]; num_drafts [B].
 
-    Returns (accepted [B] int64, emitted [B, D+1] int64); row r emits ``emitted[r, :accepted[r] + 1]``.
+    Returns (accepted [B] int64, emitted [B, D+1] int64); row r emits ``emitted[r, :accepted[r] + 1]``. ``out``
+    [D+2, B] int64: where greedy acceptance's kernel writes them (``kernels.accept.greedy_accept``); other paths
+    return tensors of their own.
     ``forced`` accepts min(forced, num_drafts) drafts whatever they are (breaks losslessness); a fractional
     value accepts floor(forced) or floor(forced) + 1, the latter with probability frac(forced) per step (a
     hash of the row's seed and position), so the mean acceptance length is forced + 1.
@@ -88,13 +91,13 @@ def accept(
     d = d1 - 1
     argmax = argmax_lastdim(logits)  # [B, D+1]: also the argmax of every processed distribution
     if a.simple_greedy and forced is None:
-        return greedy_accept(argmax, drafts, num_drafts, a.can_accept)  # one kernel on the GPU
+        return greedy_accept(argmax, drafts, num_drafts, a.can_accept, out=out)  # one kernel on the GPU
     if a.simple_greedy:  # on the GPU one kernel, as greedy acceptance (a benchmark's step costs what a real one does)
         draw = ForcedDraw(int(forced), forced - int(forced), a.sampling.seeds, a.sampling.offsets,
                           _FORCED_SALT ^ _ACCEPT_SALT)
-        out = greedy_accept(argmax, drafts, num_drafts, a.can_accept, forced=draw)
-        if out is not None:
-            return out
+        got = greedy_accept(argmax, drafts, num_drafts, a.can_accept, forced=draw, out=out)
+        if got is not None:
+            return got
     rows = torch.arange(b, device=logits.device)
     if a.simple_greedy:
         accepted = _forced(forced, num_drafts, a)

@@ -151,11 +151,12 @@ class DraftHead(nn.Module):
             return None
         return lambda: self.derived("int8", (weight,), lambda: quantize_rows(weight))
 
-    def draft_ids(self, step: int, out: torch.Tensor) -> torch.Tensor:
+    def draft_ids(self, step: int, out: torch.Tensor, dest: torch.Tensor | None = None) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B] (one row on the GPU: the argmax's
-        first stage inside the output layer, ``normed_argmax``)."""
+        first stage inside the output layer, ``normed_argmax``, whose second writes them into ``dest`` [B] when
+        given; a result that is not ``dest`` is for the caller to place)."""
         norm, w = self.output_layer(step)
-        return normed_argmax(norm, out, w, self.int8_output(w), self.target_ids())
+        return normed_argmax(norm, out, w, self.int8_output(w), self.target_ids(), dest)
 
     def kv_layer(self, step: int) -> int:
         return 0
@@ -181,18 +182,24 @@ class DraftHead(nn.Module):
         pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
         return [(pos_t[k], slot_t[k], _one_query_layout(x, pos_t[k], slot_t[k])) for k in range(x.num_drafts - 1)]
 
-    def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
-        """Returns drafts [B, D] (target ids)."""
+    def propose(self, x: DraftInputs, kv: list, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns drafts [B, D] (target ids): ``out`` [B, D] when given (the step's result columns; on the GPU
+        each draft step's argmax writes its column, no stacking kernel), else a new tensor."""
+        dest = (lambda k: None) if out is None else (lambda k: out[:, k])
         last = self.step0(x, kv)  # [B, H]
-        tok = self.draft_ids(0, last)
+        tok = self.draft_ids(0, last, dest(0))
         drafts = [tok]
         steps = self.chain_layout(x)
         for k in range(1, x.num_drafts):
             pos, slot, meta = steps[k - 1]
             last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
-            tok = self.draft_ids(k, last)
+            tok = self.draft_ids(k, last, dest(k))
             drafts.append(tok)
-        return torch.stack(drafts, dim=1)
+        if out is None:
+            return torch.stack(drafts, dim=1)
+        for k, tok in enumerate(drafts):
+            place(out[:, k], tok)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,9 +342,9 @@ class MTPHead(DraftHead):
         head = mod.shared_head_head
         return mod.shared_head_norm, self.target.lm_weight() if head is None else head.weight
 
-    def propose(self, x: DraftInputs, kv: list) -> torch.Tensor:
+    def propose(self, x: DraftInputs, kv: list, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.eagle:
-            return super().propose(x, kv)
+            return super().propose(x, kv, out)
         return self._propose_vanilla(x, kv)
 
     def _propose_vanilla(self, x: DraftInputs, kv: list) -> torch.Tensor:
@@ -358,6 +365,12 @@ class MTPHead(DraftHead):
             ext[rows, col] = torch.where(x.draft_ok, tok, ext[rows, col])
             h = out
         return torch.stack(drafts, dim=1)
+
+
+def place(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy src into dest unless a kernel already wrote it there (src is that view of the same memory)."""
+    if not (src.data_ptr() == dest.data_ptr() and src.shape == dest.shape and src.stride() == dest.stride()):
+        dest.copy_(src)
 
 
 def _one_query_layout(x: DraftInputs, pos: torch.Tensor, slots: torch.Tensor) -> AttentionMetadata:

@@ -30,7 +30,7 @@ from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, 
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.accept import AcceptInputs, accept
 from specserve.spec.config import SpeculativeConfig
-from specserve.spec.heads import DraftHead, DraftInputs
+from specserve.spec.heads import DraftHead, DraftInputs, place
 
 
 _SPEC_NAMES = ["verify_idx", "drafts", "num_drafts", "can_accept", "base_col", "t0", "start",
@@ -203,16 +203,16 @@ class SpecDecodeRunner(ModelRunner):
                                   lambda: self._step(*self._graph_step_inputs(rec, switches)))
         d = self.num_drafts
         results = []
-        for s, row in zip(sched, self._copy_back(out)):  # the one device -> host copy
+        for s, row in zip(sched, zip(*self._copy_back(out))):  # the one device -> host copy, by rows
             if not s.sample:
                 results.append(RowResult([]))
                 continue
             acc = row[0]
-            results.append(RowResult(row[1:acc + 2], row[d + 2:], s.num_drafts, acc))
+            results.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:]), s.num_drafts, acc))
         return results
 
     def _step(self, inp, t: dict, acc_in: AcceptInputs, w: int) -> torch.Tensor:
-        """Verify, accept and draft on the device -> [B, 1 + (D+1) + D]: accepted count, emitted tokens, drafts."""
+        """Verify, accept and draft on the device -> [1 + (D+1) + D, B]: accepted count, emitted tokens, drafts."""
         b = inp.meta.query_index.shape[0]
         d = self.num_drafts
         inp.meta.new_step()
@@ -225,7 +225,13 @@ class SpecDecodeRunner(ModelRunner):
         logits_fn = self.model.lm_logits if acc_in.simple_greedy else self.model.compute_logits
         logits = logits_fn(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
         sample_row = acc_in.can_accept
-        accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced)
+        # the step's result by rows [1 + (D+1) + D, B]: accepted count, emitted tokens, drafts; on the GPU the
+        # acceptance kernel and each draft step's argmax write their rows (no concatenation kernels)
+        res = torch.empty(2 * d + 2, b, dtype=torch.int64, device=logits.device)
+        accepted, emitted = accept(logits, t["drafts"].view(b, d), t["num_drafts"], acc_in, self.forced,
+                                   out=res[:d + 2])
+        place(res[0], accepted)
+        place(res[1:d + 2].t(), emitted)
         # draft: the draft table with the bonus token, the last accepted token, the chain's slots (one kernel)
         s = draft_inputs(accepted, emitted, t["base_col"], t["t0"], t["start"], t["ext"].view(b, w), sample_row,
                          inp.meta.block_tables, t["row_of_token"], t["col_of_token"], self.block_size, d,
@@ -237,5 +243,5 @@ class SpecDecodeRunner(ModelRunner):
             block_size=self.block_size, num_drafts=d, host_rows=self._host_rows, step0_ids=s["ids0"],
             chain=(s["chain_pos"], s["chain_slot"]),
         )
-        drafts = self.head.propose(x, self.head_kv)  # [B, D]
-        return torch.cat((accepted[:, None], emitted, drafts), dim=1)
+        place(res[d + 2:].t(), self.head.propose(x, self.head_kv, out=res[d + 2:].t()))  # drafts [B, D]
+        return res
