@@ -151,7 +151,7 @@ def _check_gemv(device, dtype):
                     for m in (None, ids):
                         got = gemv.fused_argmax(x, wq, NORM, nw, 1e-5, scale=scale, ids=m, **launch)
                         assert torch.equal(got, argmax_lastdim(logits, m)), f"gemv argmax n={n} k={k} t={t} {launch}"
-                # without a prologue, into a strided column (a column of the step's result)
+                # without a prologue (drafts: the norm's weight folded into the int8 rows), into a strided column
                 logits = fused_linear(x, q, None, NONE, scale=sc, **launch)[0]
                 dest = torch.full((t, 3), -1, dtype=torch.int64, device=device)
                 got = gemv.fused_argmax(x, q, scale=sc, ids=ids, out=dest[:, 1], **launch)

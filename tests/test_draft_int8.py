@@ -52,3 +52,23 @@ def test_a_head_quantizes_each_output_layer_once_per_version(monkeypatch):
     torch.testing.assert_close(second[1], 2 * first[1])
     monkeypatch.setenv("SPECSERVE_DRAFT_INT8", "0")
     assert head.int8_output(w) is None
+
+
+def test_the_argmax_table_folds_the_norm_weight_in_and_gives_the_normed_logits_up_to_one_factor():
+    """Drafts read ``int8_output(w, norm)``: the rows times the norm's weight, no norm prologue. A row's logits
+    are then the normed logits divided by its RMS factor (one positive number per row: the argmax stays)."""
+    head = random_head(_cfg(), "eagle3", own_head=True)
+    w, norm = head.lm_weight(), head.norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()))
+    folded = head.int8_output(w, norm)()
+    assert folded is head.int8_output(w, norm)() and folded is not head.int8_output(w)()  # its own cached table
+    q, scale = folded
+    deq = q.float() * scale[:, None]
+    assert ((deq - w.float() * norm.weight.float()).abs() <= scale[:, None] / 2 + 1e-6).all()
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(3))
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    torch.testing.assert_close(x @ deq.T * rstd, norm(x) @ w.float().T, atol=0.05, rtol=0.02)
+    with torch.no_grad():
+        norm.weight.mul_(2.0)  # a new norm weight: a new table
+    assert head.int8_output(w, norm)() is not folded

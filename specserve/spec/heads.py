@@ -143,20 +143,24 @@ class DraftHead(nn.Module):
                 cache[key] = make()
         return cache[key]
 
-    def int8_output(self, weight: torch.Tensor):
+    def int8_output(self, weight: torch.Tensor, norm: RMSNorm | None = None):
         """A callable giving ``weight`` [V', H] quantized to int8 rows (``derived``: made on the first one-row
         draft step), or None with SPECSERVE_DRAFT_INT8=0. Only the argmax of a draft's logits matters, and it
-        reads half the bytes."""
+        reads half the bytes. With ``norm`` (the RMSNorm before the layer): the rows times its weight, for
+        ``normed_argmax``, which then skips the norm."""
         if os.environ.get("SPECSERVE_DRAFT_INT8", "1") == "0":
             return None
-        return lambda: self.derived("int8", (weight,), lambda: quantize_rows(weight))
+        if norm is None:
+            return lambda: self.derived("int8", (weight,), lambda: quantize_rows(weight))
+        return lambda: self.derived("int8_folded", (weight, norm.weight),
+                                    lambda: quantize_rows(weight.float() * norm.weight.float()))
 
     def draft_ids(self, step: int, out: torch.Tensor, dest: torch.Tensor | None = None) -> torch.Tensor:
         """out [B, H] -> most likely next token, as target vocabulary ids [B] (one row on the GPU: the argmax's
         first stage inside the output layer, ``normed_argmax``, whose second writes them into ``dest`` [B] when
         given; a result that is not ``dest`` is for the caller to place)."""
         norm, w = self.output_layer(step)
-        return normed_argmax(norm, out, w, self.int8_output(w), self.target_ids(), dest)
+        return normed_argmax(norm, out, w, self.int8_output(w, norm), self.target_ids(), dest)
 
     def kv_layer(self, step: int) -> int:
         return 0
