@@ -18,6 +18,9 @@ from specserve.kernels import gemv, kernel_failed, kernel_usable
 from specserve.kernels.pdl import launch, pdl
 
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
+# Steps of several rows take this many times the pairs per program of one row (``gemv.WIDE``'s idea for this
+# kernel: a verify step's programs are 1 + D times a decode step's); 1 keeps one row's launch (measurements)
+WIDE = max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1")))
 
 try:
     import triton
@@ -46,9 +49,9 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or not gemv._fusable(x, weight, *rows)):
         return None
     t = x.shape[0]
-    # pairs per program: a power of two dividing D/2, the same for any number of rows (a row then rounds alike in
-    # a decode and a verify step), from x's width (EMBED_CAT: one half of the input row)
-    hb = max(1, min(gemv.block_n(n, kx, 1) // 2, half & -half))
+    # pairs per program: a power of two dividing D/2, from x's width (EMBED_CAT: one half of the input row); the
+    # same for any number of rows unless WIDE > 1
+    hb = max(1, min(gemv.block_n(n, kx, 1) // 2 * (WIDE if t > 1 else 1), half & -half))
     programs = (hq + 2 * hkv) * (half // hb)
     if not gemv._programs_ok(programs, t):
         return None
