@@ -4,10 +4,12 @@
 # random model with step timings. Every stage has its own time limit; results land in $OUT/<stage>/.
 #   bash benchmarks/gpu_bench.sh [tests] [tests-quick] [kernels] [default] [throughput] [scale] [scale1]
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
-#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gemvkernels] [diag]
+#                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gputests] [gemvkernels] [diag]
 #                                [host2] [programs] [int8] [lmhead] [tune] [gemvab] [ab] [bars] [scaleall] [attnbench]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
-# tests-quick 240 (the step-input kernels and the engine-level GPU tests);
+# tests-quick 240 (the step-input kernels and the engine-level GPU tests); the twentieth session's 520 s ran out
+# after 31 tests of `tests`, so give each of kernels, graphtests (~250 s: 15 tests in 215 s) and gputests (test_gpu.py
+# and the PDL token test; TEST_S, default 200) a call of its own;
 # default 580 (transformers eager alone, 16 prompts x ~200 tokens x 4 runs at ~45 tok/s, needs ~300 s: give
 # it a call of its own; 200 s killed it once before it printed); throughput 120; scale 300 (batches 8-64;
 # with batch 1 it ran out of 200 s and 300 s: 64 prompts at batch 1 take that long); scale1 SCALE_S, default 200
@@ -32,6 +34,9 @@
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
+# GPU tests with a time limit, one line per test as it ends (a killed run still shows what passed before)
+vtest() { local limit=$1; shift; timeout $limit python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider "$@" 2>&1 \
+          | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E "; }
 # launch settings chosen by an earlier `tune` stage on this machine (benchmarks/gpu_tune.py), if any
 [ -f /root/choice.env ] && { echo "settings from tune: $(grep -v '^#' /root/choice.env | tr '\n' ' ')"; source /root/choice.env; }
 M=/root/model.gguf
@@ -41,13 +46,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 for st in $stages; do
   echo "===== $st $(date +%T)"
   case $st in
-    tests) SPECSERVE_TEST_GGUF=$M timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider \
-             tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -25 ;;
-    tests-quick) timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
-             -k "draft_inputs or step_inputs" 2>&1 | tail -4
-             SPECSERVE_TEST_GGUF=$M timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider \
-             tests/test_cuda_graph.py tests/test_gpu.py 2>&1 | tail -8 ;;
-    kernels) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -8 ;;
+    tests) SPECSERVE_TEST_GGUF=$M vtest 420 tests/test_kernels.py tests/test_cuda_graph.py tests/test_gpu.py ;;
+    tests-quick) vtest 60 tests/test_kernels.py -k "draft_inputs or step_inputs"
+             SPECSERVE_TEST_GGUF=$M vtest 180 tests/test_cuda_graph.py tests/test_gpu.py ;;
+    kernels) vtest 300 tests/test_kernels.py ;;
+    gputests) SPECSERVE_TEST_GGUF=$M vtest ${TEST_S:-200} tests/test_gpu.py \
+             tests/test_cuda_graph.py::test_pdl_launches_give_the_tokens_of_ordinary_ones ;;
     host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --json $OUT/host.json 2>&1 | quiet | tail -16 ;;
     cprofile) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --repeats 1 --num-prompts 4 \
              --cprofile 30 --json $OUT/host-cprofile.json 2>&1 | quiet | tail -100 ;;
@@ -129,7 +133,7 @@ for st in $stages; do
              --max-tokens 128 --num-prompts 4 --repeats 2 --steps 1 --out $OUT/splitk-$k 2>&1 | quiet | tail -10; done
           python3 benchmarks/gpu_tune.py $OUT/lm_head.json $OUT/splitk-0/bench.json $OUT/splitk-1/bench.json \
             | tee /root/choice.env ;;
-    graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tail -6 ;;
+    graphtests) SPECSERVE_TEST_GGUF=$M vtest ${TEST_S:-240} tests/test_cuda_graph.py ;;
     scale1) timeout ${SCALE_S:-200} python3 -m specserve.cli bench --model random:llama-3.1-8b --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 \
              --max-tokens 128 --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 2>&1 \
