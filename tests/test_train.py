@@ -46,7 +46,7 @@ def test_training_time_test_matches_the_inference_draft_loop(dirs, method):
     head = llm.engine.runner.head
     captured = []
 
-    def forced(step, out):
+    def forced(step, out, dest=None):  # a new tensor: the draft loop places it in its result column
         captured.append(out[0].clone())
         return torch.tensor([seq[n0 + 1 + step]])  # the true token at last_pos + step + 2
 
