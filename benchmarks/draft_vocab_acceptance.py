@@ -26,9 +26,9 @@ _full_vocab_draft_ids = heads.Eagle3Head.draft_ids
 SIZE: int | None = None  # the draft vocabulary the patched argmax sees (None: all ids)
 
 
-def first_n_draft_ids(self, step, out):
+def first_n_draft_ids(self, step, out, dest=None):
     if SIZE is None:
-        return _full_vocab_draft_ids(self, step, out)
+        return _full_vocab_draft_ids(self, step, out, dest)
     t = self.target
     w = t.embed_tokens.weight if t.lm_head is None else t.lm_head.weight  # [V, H]
     return argmax_lastdim(F.linear(self.norm(out), w[:SIZE]))  # ids < SIZE are target ids
