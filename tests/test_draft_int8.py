@@ -72,3 +72,14 @@ def test_the_argmax_table_folds_the_norm_weight_in_and_gives_the_normed_logits_u
     with torch.no_grad():
         norm.weight.mul_(2.0)  # a new norm weight: a new table
     assert head.int8_output(w, norm)() is not folded
+
+
+def test_only_heads_with_one_norm_per_output_weight_fold_it():
+    """Vanilla MTP's modules share one output layer under their own norms: folding would make a table per module."""
+    from specserve.spec.heads import MTPHead
+
+    cfg = _cfg()
+    assert random_head(cfg, "eagle3").fold_draft_norm
+    assert MTPHead(cfg, 1, own_head=False, eagle=True).fold_draft_norm  # MTP-Eagle: one module, one norm
+    assert MTPHead(cfg, 1, own_head=False, eagle=False).fold_draft_norm
+    assert not MTPHead(cfg, 3, own_head=False, eagle=False).fold_draft_norm

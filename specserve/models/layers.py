@@ -45,19 +45,23 @@ def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=N
     return nn.functional.linear(norm(x), weight)
 
 
-def normed_argmax(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8_folded=None, ids=None,
-                  out=None) -> torch.Tensor:
+def normed_argmax(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=None, ids=None, out=None,
+                  int8_folded=None) -> torch.Tensor:
     """x [N, H] -> the argmax of ``normed_logits(norm, x, weight)`` per row [N] int64 (``ids`` [V']: the target id
     at that index), ties to the lowest index. One row on the GPU: the output layer's kernel writes each program's
     best logit instead of the logits, and a second kernel picks among them, into ``out`` [N] when given (elsewhere
-    the result is a new tensor: the caller copies). ``int8_folded``: a callable giving ``quantize_rows(weight *
-    norm.weight)``, which that kernel reads instead, without the norm: RMSNorm scales a row's logits by one
-    positive factor, which leaves their argmax where it is, and its weight folds into the rows (drafts only:
-    the int8 rows and the norm's rounding left out can move a near-tie)."""
+    the result is a new tensor: the caller copies). That kernel reads, first found: ``int8_folded`` (a callable
+    giving ``quantize_rows(weight * norm.weight)``), without the norm: RMSNorm scales a row's logits by one
+    positive factor, which leaves their argmax where it is, and its weight folds into the rows (not in float16,
+    whose range the unnormed logits could leave); ``int8`` (``quantize_rows(weight)``) with the norm in its
+    prologue; the weight itself. Drafts only: int8 rows, and the norm's rounding left out, can move a near-tie."""
     if x.dim() == 2 and x.shape[0] == 1 and gemv_enabled(x, x.shape[-1]):
-        if int8_folded is not None:
+        if int8_folded is not None and x.dtype != torch.float16:
             q, scale = int8_folded()
             return fused_argmax(x, q, scale=scale, ids=ids, out=out, **_LM_LAUNCH)
+        if int8 is not None:
+            q, scale = int8()
+            return fused_argmax(x, q, NORM, norm.weight, norm.eps, scale=scale, ids=ids, out=out, **_LM_LAUNCH)
         return fused_argmax(x, weight, NORM, norm.weight, norm.eps, ids=ids, out=out)
     return argmax_lastdim(normed_logits(norm, x, weight), ids)
 

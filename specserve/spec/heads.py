@@ -54,6 +54,9 @@ class DraftHead(nn.Module):
 
     aux_layers: tuple[int, ...] = ()
     num_kv_layers: int = 1
+    # drafts read their output layer as int8 rows with the final norm's weight folded in (``int8_output``): one
+    # table per (weight, norm) pair; a head whose steps share one weight under several norms keeps one table
+    fold_draft_norm: bool = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -160,7 +163,8 @@ class DraftHead(nn.Module):
         first stage inside the output layer, ``normed_argmax``, whose second writes them into ``dest`` [B] when
         given; a result that is not ``dest`` is for the caller to place)."""
         norm, w = self.output_layer(step)
-        return normed_argmax(norm, out, w, self.int8_output(w, norm), self.target_ids(), dest)
+        folded = self.int8_output(w, norm) if self.fold_draft_norm else None
+        return normed_argmax(norm, out, w, self.int8_output(w), self.target_ids(), dest, int8_folded=folded)
 
     def kv_layer(self, step: int) -> int:
         return 0
@@ -325,6 +329,12 @@ class MTPHead(DraftHead):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
         self.eagle = eagle
         self.num_kv_layers = 1 if eagle else num_modules
+
+    @property
+    def fold_draft_norm(self) -> bool:
+        """Vanilla MTP's modules each have their own norm before a shared output layer: folding would make one
+        vocabulary-sized int8 table per module, so they keep one table and run the norm in the kernel."""
+        return self.eagle or len(self.modules_) == 1
 
     def module(self, step: int) -> MTPModule:
         return self.modules_[0 if self.eagle else step]
