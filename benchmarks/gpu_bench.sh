@@ -22,7 +22,7 @@
 # host2 (random weights: host profiles one engine per process, waits spinning / blocking, cProfile) ~250;
 # programs (random weights, SPECSERVE_GEMV_PROGRAMS 0 then 1024, with step replays) 2 x 100;
 # int8 (random weights, SPECSERVE_DRAFT_INT8 0 then 1, with step replays) 2 x 100;
-# tune (~250: the int8 output layer's launch sweep and K split or whole, chosen for later stages and calls on
+# tune (~310: the int8 output layer's launch sweep and K split or whole, chosen for later stages and calls on
 # the machine through /root/choice.env); gemvab (bench_gemv.py with the weights loaded after / before the
 # prologue) 2 x 100; ab (random weights, step replays; each of AB_VARS, default SPECSERVE_GEMV_WFIRST
 # SPECSERVE_QKV_ROPE, set to each of AB_VALS, default 0 then 1, the others at their defaults) 2 x 100 per variable; lmhead (a draft step's output layer: int8 launch sweep over the whole vocabulary and 32,768 rows, and the speculative step's graph profile) ~200.
@@ -126,7 +126,7 @@ for st in $stages; do
     lmhead) timeout 240 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -8
            timeout 90 python3 benchmarks/profile_step.py --model random:smollm2-135m --draft random --forced-acceptance \
              ${FORCED:-2.58} --graphs --context 256 --top 45 2>&1 | quiet | tail -48 ;;
-    tune) timeout 100 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -5
+    tune) timeout 160 python3 benchmarks/bench_lm_head.py --json $OUT/lm_head.json 2>&1 | grep -v Warning | tail -5
           for k in 0 1; do echo "--- SPECSERVE_GEMV_SPLITK=$k"
              SPECSERVE_GEMV_SPLITK=$k timeout 100 python3 -m specserve.cli bench --model random:smollm2-135m --draft random \
              --draft-len 4 --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 256 --batch-size 1 \

@@ -20,7 +20,7 @@ from specserve.kernels.pdl import launch, pdl
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
 # Steps of several rows take this many times the pairs per program of one row (``gemv.WIDE``'s idea for this
 # kernel: a verify step's programs are 1 + D times a decode step's); 1 keeps one row's launch (measurements)
-WIDE = max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1")))
+WIDE = 1 << (max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1"))).bit_length() - 1)  # a power of two
 
 try:
     import triton
