@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels import use_triton
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -77,13 +77,12 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
         out = torch.empty(d + 2, b, dtype=torch.int64, device=argmax.device)
     accepted, emitted = out[0], out[1:].t()  # [B], [B, D+1] (strides 1, B)
     if b:
-        on = pdl(argmax)
         f = forced
         draw = (f.seeds.contiguous(), f.offsets.contiguous(), f.frac) if f else (argmax, argmax, 0.0)
         _greedy_accept_kernel[(b,)](argmax, drafts, num_drafts, can_accept, accepted, emitted, d,
                                     argmax.stride(0), drafts.stride(0), accepted.stride(0), *emitted.stride(), *draw,
                                     BLOCK=triton.next_power_of_2(d + 1), FORCE=f is not None,
-                                    BASE=f.base if f else 0, SALT=f.salt if f else 0, PDL=on, **launch(on))
+                                    BASE=f.base if f else 0, SALT=f.salt if f else 0, **kernel_args(argmax))
     return accepted, emitted
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import use_triton
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -32,8 +32,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, i), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(i))
     if n:
-        on = pdl(x)
-        _silu_mul_kernel[(n, triton.cdiv(i, block))](x2, out, i, x2.stride(0), BLOCK=block, PDL=on, **launch(on))
+        _silu_mul_kernel[(n, triton.cdiv(i, block))](x2, out, i, x2.stride(0), BLOCK=block, **kernel_args(x))
     return out.view(*x.shape[:-1], i)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -43,8 +43,7 @@ def argmax_lastdim(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Te
     n = x2.shape[0]
     part_v = torch.empty(n, n_chunks, dtype=torch.float32, device=x.device)
     part_i = torch.empty(n, n_chunks, dtype=torch.int64, device=x.device)
-    on = pdl(x)
-    _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK, PDL=on, **launch(on))
+    _argmax_chunks[(n, n_chunks)](x2, part_v, part_i, v, x2.stride(0), n_chunks, CHUNK=CHUNK, **kernel_args(x))
     return argmax_pick(part_v, part_i, ids).view(lead)
 
 
@@ -61,9 +60,8 @@ def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | 
     n, nc = part_v.shape
     if out is None:
         out = torch.empty(n, dtype=torch.int64, device=part_v.device)
-    on = pdl(part_v)
     _argmax_pick[(n,)](part_v, part_i, out, nc, out if ids is None else ids, out.stride(0),
-                       BLOCK=triton.next_power_of_2(nc), MAP=ids is not None, PDL=on, **launch(on))
+                       BLOCK=triton.next_power_of_2(nc), MAP=ids is not None, **kernel_args(part_v))
     return out
 
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels.pdl import launch as pdl_launch
-from specserve.kernels.pdl import pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -74,8 +73,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     # key positions per split: a power of two (few compiled variants) covering the table
     block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
-    on = pdl(q)
-    launch = dict(pdl_launch(on), **({} if num_warps is None else {"num_warps": num_warps}))
+    launch = dict(kernel_args(q), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself
     head_d = triton.next_power_of_2(d)
     out = torch.empty_like(q)
@@ -89,8 +87,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
         G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
-        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, PDL=on,
-        **launch)
+        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, **launch)
     parts = None if final else AttnPartials(out, part_acc, part_ml, query_index, query_pos, flat_index, qw, n_qt,
                                             qpt, g, block_m, head_d, num_splits, span)
     if parts is not None and flat_index is None:
@@ -122,12 +119,11 @@ class AttnPartials:
     def merge(self) -> torch.Tensor:
         """The merge kernel -> out [T, Hq, D]."""
         out, (b, qw) = self.out, self.query_index.shape
-        on = pdl(out)
         _attn_merge_kernel[(b * self.n_qt, self.acc.shape[1])](
             self.acc, self.ml, out, self.query_index, self.query_pos, out.shape[0], qw, self.n_qt, out.stride(0),
             out.stride(1), self.query_index.stride(0), self.num_splits,
             G=self.g, QPT=self.qpt, BLOCK_M=self.block_m, SPLIT=self.span, D=out.shape[2], HEAD_D=self.head_d,
-            DYNAMIC=not _INTERPRET, NS_STATIC=self.num_splits if _INTERPRET else 0, PDL=on, **pdl_launch(on))
+            DYNAMIC=not _INTERPRET, NS_STATIC=self.num_splits if _INTERPRET else 0, **kernel_args(out))
         return out
 
 

@@ -13,7 +13,7 @@ import torch
 
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.kernels import kernel_failed, kernel_usable, use_triton
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -66,12 +66,11 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
     chain = torch.empty(2, k, b, dtype=torch.int64, device=dev)  # positions, slots
     # emitted is read through its strides (the step's result rows: [B, D+1] with strides 1, B); the rest contiguous
     contig = [x if i == 1 else x.contiguous() for i, x in enumerate(args)]
-    on = pdl(ext)
     try:
         _draft_inputs_kernel[(b + triton.cdiv(t, BLOCK_T),)](
             *contig, ext_out, rows3, ids0, chain, b, w, t, tables.shape[1], k, max_pos, *emitted.stride(),
             BS=block_size, PAD=PAD_BLOCK, W_BLOCK=triton.next_power_of_2(w), K_BLOCK=triton.next_power_of_2(k),
-            BLOCK_T=BLOCK_T, PDL=on, **launch(on))
+            BLOCK_T=BLOCK_T, **kernel_args(ext))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("draft_inputs", e)
         return draft_inputs_ref(*args, block_size, num_drafts, max_pos)

@@ -28,8 +28,7 @@ from specserve.kernels import kernel_failed, kernel_usable, use_triton
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from specserve.kernels.argmax import argmax_lastdim, argmax_pick, pick_fits
 from specserve.kernels.norm import rms_norm, rms_norm_ref
-from specserve.kernels.pdl import launch as pdl_launch
-from specserve.kernels.pdl import pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -252,7 +251,6 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
     margs = (m.acc, m.ml, m.flat_index, m.qw, m.n_qt) if m is not None else (out, out, out, 1, 1)
     mconst = dict(MG=1, MQPT=1, MBM=1, MHD=1, MNS=1, MD=1, MHKV=1) if m is None else dict(
         MG=m.g, MQPT=m.qpt, MBM=m.block_m, MHD=m.head_d, MNS=m.num_splits, MD=m.out.shape[2], MHKV=m.acc.shape[1])
-    on = pdl(x)
     try:
         _gemv_kernel[(triton.cdiv(n, bn), t)](
             x, residual if residual is not None else x, res_out if res_out is not None else out,
@@ -263,7 +261,7 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
             *margs, **mconst, K=k,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
             BLOCK_N=bn, K1=k1, K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
-            HNP=triton.next_power_of_2(hn), PDL=on, num_warps=num_warps, **pdl_launch(on))
+            HNP=triton.next_power_of_2(hn), num_warps=num_warps, **kernel_args(x))
     except Exception as e:
         kernel_failed("gemv_merge" if merge is not None else "gemv", e)
         return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -38,9 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty_like(x2) if residual is not None else x2
     res_in = residual.reshape(-1, h) if residual is not None else x2
     if n:
-        on = pdl(x)
         _rms_norm_kernel[(n,)](x2, res_in, res_out, weight, out, h, eps, x2.stride(0), res_in.stride(0),
-                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), PDL=on, **launch(on))
+                               HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), **kernel_args(x))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 
@@ -57,9 +56,8 @@ def embed_norm_cat(ids: torch.Tensor, table: torch.Tensor, w_embed: torch.Tensor
     n = ids1.shape[0]
     out = torch.empty(n, 2 * h, dtype=torch.promote_types(hidden.dtype, w_hidden.dtype), device=hidden.device)
     if n:
-        on = pdl(hid)
         _embed_norm_cat_kernel[(n, 2)](ids1, table, w_embed, hid, w_hidden, out, h, eps, table.stride(0),
-                                       hid.stride(0), BLOCK=triton.next_power_of_2(h), PDL=on, **launch(on))
+                                       hid.stride(0), BLOCK=triton.next_power_of_2(h), **kernel_args(hid))
     return out.view(*hidden.shape[:-1], 2 * h)
 
 

@@ -54,6 +54,12 @@ def launch(on: bool) -> dict:
     return {"launch_pdl": True} if on else {}
 
 
+def kernel_args(x: torch.Tensor) -> dict:
+    """A step kernel's PDL keywords for work on ``x``'s device: its ``PDL`` constexpr and the launch option."""
+    on = pdl(x)
+    return dict(PDL=on, **launch(on))
+
+
 if triton is not None:
     @triton.jit
     def pdl_begin(PDL: tl.constexpr):

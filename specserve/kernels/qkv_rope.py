@@ -15,7 +15,7 @@ import os
 import torch
 
 from specserve.kernels import gemv, kernel_failed, kernel_usable
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
 # Steps of several rows take this many times the pairs per program of one row (``gemv.WIDE``'s idea for this
@@ -59,7 +59,6 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
     ids, table, w_embed = embed if embed is not None else (positions, x, x)
     k1, k2 = gemv.k_blocks(kx)
-    on = pdl(x)
     try:
         _qkv_rope_kernel[(programs, t)](
             x, residual if residual is not None else x, res_out if res_out is not None else q_out,
@@ -68,7 +67,7 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             x.stride(0), residual.stride(0) if residual is not None else 0, table.stride(0), weight.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=kx,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2,
-            WFIRST=gemv.WFIRST, PDL=on, **launch(on))
+            WFIRST=gemv.WFIRST, **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rope", e)
         return None

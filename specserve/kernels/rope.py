@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import use_triton
-from specserve.kernels.pdl import launch, pdl
+from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
@@ -49,13 +49,12 @@ def rope_and_cache(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, s
     hkv = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t:
-        on = pdl(q)
         _rope_cache_kernel[(t,)](
             positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1],
             HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(hq, hkv)),
-            BLOCK_D=triton.next_power_of_2(d // 2), PDL=on, **launch(on))
+            BLOCK_D=triton.next_power_of_2(d // 2), **kernel_args(q))
     return q_out
 
 
