@@ -191,21 +191,17 @@ class DraftHead(nn.Module):
         return [(pos_t[k], slot_t[k], _one_query_layout(x, pos_t[k], slot_t[k])) for k in range(x.num_drafts - 1)]
 
     def propose(self, x: DraftInputs, kv: list, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Returns drafts [B, D] (target ids): ``out`` [B, D] when given (the step's result columns; on the GPU
-        each draft step's argmax writes its column, no stacking kernel), else a new tensor."""
-        dest = (lambda k: None) if out is None else (lambda k: out[:, k])
+        """Returns drafts [B, D] (target ids) in ``out`` [B, D] (the step's result columns), or in a new tensor:
+        on the GPU each draft step's argmax writes its column (no stacking kernel), elsewhere it is copied in."""
         last = self.step0(x, kv)  # [B, H]
-        tok = self.draft_ids(0, last, dest(0))
-        drafts = [tok]
+        if out is None:  # [B, D] with contiguous columns, as the step's result has them
+            out = torch.empty(x.num_drafts, last.shape[0], dtype=torch.int64, device=last.device).t()
         steps = self.chain_layout(x)
-        for k in range(1, x.num_drafts):
-            pos, slot, meta = steps[k - 1]
-            last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
-            tok = self.draft_ids(k, last, dest(k))
-            drafts.append(tok)
-        if out is None:
-            return torch.stack(drafts, dim=1)
-        for k, tok in enumerate(drafts):
+        for k in range(x.num_drafts):
+            if k:
+                pos, slot, meta = steps[k - 1]
+                last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
+            tok = self.draft_ids(k, last, out[:, k])
             place(out[:, k], tok)
         return out
 
