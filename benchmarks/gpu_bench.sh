@@ -6,6 +6,7 @@
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gputests] [gemvkernels] [diag]
 #                                [host2] [programs] [int8] [lmhead] [tune] [gemvab] [ab] [bars] [scaleall] [attnbench]
+#                                [rows] [hewhole]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests); the twentieth session's 520 s ran out
 # after 31 tests of `tests`, so give each of kernels, graphtests (~250 s: 15 tests in 215 s) and gputests (test_gpu.py
@@ -31,6 +32,9 @@
 # batches 1, 8, 32 and 64 with step replays; attnbench (~150 s): bench_attention.py alone.
 # sets (~2 x 150 s, .traindata carried): batch 1, EAGLE-3 against no speculation on every HumanEval prompt (164)
 # and every Alpaca seed task (175), REPEATS (default 2) timed runs each.
+# rows (~100 s, no model file): bench_rows.py, the several-row kernel's forms and launches against one program per
+# row and cuBLAS; hewhole (40 + 110 x ROUNDS s, default 2 rounds, .traindata carried): every HumanEval prompt at
+# batch 1, EAGLE-3 against no speculation, the engines alternating.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -85,6 +89,10 @@ for st in $stages; do
              timeout 60 python3 benchmarks/profile_step.py --model $M --draft $HEAD --context 512 \
                --json $OUT/profile/default-spec.json 2>&1 | quiet | tail -16 ;;
     gemv) timeout 150 python3 benchmarks/bench_gemv.py --json $OUT/gemv.json 2>&1 | grep -v Warning | tail -16 ;;
+    rows) timeout 200 python3 benchmarks/bench_rows.py --json $OUT/rows.json 2>&1 | grep -v Warning ;;
+    hewhole) timeout $((40 + 110 * ${ROUNDS:-2})) python3 -m specserve.cli bench --model $M --draft $HEAD --draft-len 4 \
+             --batch-size 1 --prompts .traindata/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 100000 --repeats 1 \
+             --rounds ${ROUNDS:-2} --out $OUT/hewhole 2>&1 | quiet | tail -12 ;;
     gemvkernels) timeout 420 python3 -m pytest -q --tb=short -m gpu -p no:cacheprovider tests/test_kernels.py \
              -k "check_gemv or check_qkv_rope or check_argmax" > $OUT/gemvkernels.txt 2>&1; tail -c 2500 $OUT/gemvkernels.txt ;;
     gemvab) for w in 0 1; do echo "--- SPECSERVE_GEMV_WFIRST=$w"

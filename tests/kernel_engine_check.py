@@ -46,12 +46,25 @@ for spec, padded in ((False, True),) if QUICK else ((False, False), (False, True
     bad += not same
     print(f"triton spec={spec} padded={padded}: {'ok' if same else 'DIFFERENT'}", flush=True)
 # the norm after attention folded into the o projection and the down projection (SwiGLU.norm_folds), which the
-# default model's verify steps take: this tiny model's steps take it only when told to
+# default model's verify steps take: this tiny model's steps take it only when told to; the gate/up projection
+# between them by the kernel that reads each weight block once for all rows (gemv_rows, each form)
+import specserve.models.layers as layers  # noqa: E402
+
+rows_taken = []
+rows_linear = layers.rows_linear
+layers.rows_linear = lambda x, w: rows_taken.append(layers.rows_takes(x, w)) or rows_linear(x, w)
 os.environ["SPECSERVE_NORM_FOLD"] = "always"
-same = run("triton", True, False) == ref  # quick: also the packed speculative layout's only run
-del os.environ["SPECSERVE_NORM_FOLD"]
-bad += not same
-print(f"triton spec=True padded=False norm folded: {'ok' if same else 'DIFFERENT'}", flush=True)
+for rows in ("dot",) if QUICK else ("dot", "turn", "bcast"):
+    os.environ["SPECSERVE_GEMV_ROWS"] = rows
+    rows_taken.clear()
+    same = run("triton", True, False) == ref  # quick: also the packed speculative layout's only run
+    if not any(rows_taken):
+        print("no gate/up projection ran on the several-row kernel")
+        same = False
+    bad += not same
+    print(f"triton spec=True padded=False norm folded, gate/up rows={rows}: {'ok' if same else 'DIFFERENT'}",
+          flush=True)
+del os.environ["SPECSERVE_NORM_FOLD"], os.environ["SPECSERVE_GEMV_ROWS"]
 same = run("triton", True, True, "e3v") == ref
 bad += not same
 print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)

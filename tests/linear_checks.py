@@ -13,6 +13,7 @@ from specserve.kernels import gemv
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
+from specserve.kernels.gemv_rows import FORMS, rows_linear, rows_takes
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.kernels.rope import rope_and_cache
@@ -191,6 +192,37 @@ def _check_gemv(device, dtype):
 
 
 @kernel_check
+def check_gemv_rows(device, dtype):
+    """The several-row kernel (``gemv_rows``: each weight block read once for all rows) in each of its forms
+    against ``F.linear``: K split in two power-of-two blocks or whole, a partial last block of features, rows
+    with a stride of their own, 2 to 8 rows, two launches; and the switch (``SPECSERVE_GEMV_ROWS``): on, a
+    several-row step takes the kernel with the launch it names, a one-row step does not."""
+    g = torch.Generator().manual_seed(13)
+    for n, k in ((40, 96), (36, 64)) if QUICK else ((100, 576), (3072, 576), (40, 1000)):
+        w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
+        for t in (2, 5) if QUICK else (2, 5, 8):
+            x = torch.randn(t, k + 8, generator=g).to(device, dtype)[:, :k]
+            ref = torch.nn.functional.linear(x, w)
+            for form in FORMS:
+                for launch in ({}, {"block": 32, "num_warps": 2}):
+                    _close(rows_linear(x, w, form, **launch), ref, dtype,
+                           f"gemv rows {form} {launch} n={n} k={k} t={t}")
+    old = os.environ.get("SPECSERVE_GEMV_ROWS")
+    try:
+        os.environ["SPECSERVE_GEMV_ROWS"] = "turn,8,2"
+        x = torch.randn(5, k, generator=g).to(device, dtype)
+        assert rows_takes(x, w) and not rows_takes(x[:1], w)
+        assert torch.equal(rows_linear(x, w), rows_linear(x, w, "turn", 8, 2))
+        os.environ["SPECSERVE_GEMV_ROWS"] = "0"
+        assert not rows_takes(x, w)
+    finally:
+        if old is None:
+            del os.environ["SPECSERVE_GEMV_ROWS"]
+        else:
+            os.environ["SPECSERVE_GEMV_ROWS"] = old
+
+
+@kernel_check
 def check_norm_fold(device, dtype):
     """The MLP with the norm before it folded (``SwiGLU.from_stream`` after ``linear_add_scaled``) == the MLP
     after that norm (``SwiGLU.after_norm`` / ``after_norm_sum``), at the default model's widths (quick: small
@@ -207,16 +239,25 @@ def check_norm_fold(device, dtype):
         mlp.to(device, dtype)
         norm.to(device, dtype)
         w_o = (torch.randn(h, a, generator=g) / a ** 0.5).to(device, dtype)
-        for t in (1, 5):
+        for t, rows in ((1, "0"), (5, "0"), (5, "dot")):  # gate/up by cuBLAS, or by gemv_rows' kernel
             attn = torch.randn(t, a, generator=g).to(device, dtype)
             stream = torch.randn(t, h, generator=g).to(device, dtype)
             s, scaled = gemv.linear_add_scaled(attn, w_o, None, stream, norm.weight)
             o = fused_linear(attn, w_o)[0]
             want, want_s = mlp.after_norm(norm, o, stream)
             _close(s, want_s, dtype, f"norm fold: stream h={h} t={t}")
-            _close(mlp.from_stream(norm, s, scaled), want, dtype, f"norm fold: mlp h={h} t={t}")
-            _close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream), dtype,
-                   f"norm fold: mlp + stream h={h} t={t}")
+            old = os.environ.get("SPECSERVE_GEMV_ROWS")
+            os.environ["SPECSERVE_GEMV_ROWS"] = rows
+            try:
+                assert rows_takes(scaled, mlp.gate_up_proj.weight) == (rows != "0")
+                _close(mlp.from_stream(norm, s, scaled), want, dtype, f"norm fold: mlp h={h} t={t} rows={rows}")
+                _close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream), dtype,
+                       f"norm fold: mlp + stream h={h} t={t} rows={rows}")
+            finally:
+                if old is None:
+                    del os.environ["SPECSERVE_GEMV_ROWS"]
+                else:
+                    os.environ["SPECSERVE_GEMV_ROWS"] = old
 
 
 @kernel_check

@@ -13,6 +13,7 @@ from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import (ADD_NORM, NORM, SILU_MUL, SILU_MUL_RSTD, fused_argmax, fused_linear, gemv_enabled,
                                     takes_kernel)
+from specserve.kernels.gemv_rows import rows_linear, rows_takes
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -163,22 +164,26 @@ class SwiGLU(nn.Module):
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL, add=residual)[0]
 
     def norm_folds(self, x: torch.Tensor) -> bool:
-        """Whether a few-row step with input x [T, H] has too many rows for the gate/up kernel (cuBLAS runs it:
-        a step of 6-8 rows of the default model, or a wider model's verify step), so the norm before it folds into its neighbours instead of running as a
-        kernel of its own: the o projection writes the stream s and s * the norm's weight, the GEMM takes the
-        latter, and the down projection scales gate and up by 1 / rms(s) (``from_stream``). Not in float16: the
-        GEMM's outputs are rms(s) times gate/up's, which a large stream could take past its range.
-        SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every few-row step (tests: a tiny model's steps
-        fit the kernel)."""
+        """Whether a few-row step with input x [T, H] runs its gate/up projection without a norm prologue, so the
+        norm before it folds into its neighbours instead of running as a kernel of its own: the o projection
+        writes the stream s and s * the norm's weight, the gate/up projection takes the latter, and the down
+        projection scales gate and up by 1 / rms(s) (``from_stream``). So it does where the step has too many
+        rows for the one-row-per-program kernel (cuBLAS runs gate/up: a step of 6-8 rows of the default model,
+        or a wider model's verify step), or where the kernel reading each weight block once for all rows takes
+        it (``gemv_rows``, when on). Not in float16: the gate/up outputs are rms(s) times gate/up's, which a
+        large stream could take past its range. SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every
+        few-row step (tests: a tiny model's steps fit the kernel)."""
         gu, mode = self.gate_up_proj, os.environ.get("SPECSERVE_NORM_FOLD", "1")
         return (mode != "0" and x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
-                and (mode == "always" or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
+                and (mode == "always" or rows_takes(x, gu.weight)
+                     or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
 
     def from_stream(self, norm: RMSNorm, s: torch.Tensor, scaled: torch.Tensor, add_stream: bool = False):
         """``self(norm(s))`` (+ s with ``add_stream``) where ``norm_folds``: s [T, H] is the stream, ``scaled``
         s * norm.weight [T, H]; norm(s) = scaled / rms(s) row by row, so gate_up(norm(s)) = gate_up(scaled) /
-        rms(s), applied in the down projection's prologue. Two kernels for a norm, a GEMM and the down one."""
-        gu = nn.functional.linear(scaled, self.gate_up_proj.weight)  # [T, 2I], rms(s) times gate/up
+        rms(s), applied in the down projection's prologue. Two kernels for a norm, a GEMM and the down one; the GEMM
+        is ``gemv_rows``'s kernel where that takes it, else cuBLAS."""
+        gu = rows_linear(scaled, self.gate_up_proj.weight)  # [T, 2I], rms(s) times gate/up (or F.linear)
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL_RSTD, s, None, norm.eps,
                             add=s if add_stream else None)[0]
 

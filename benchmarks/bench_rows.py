@@ -1,0 +1,91 @@
+"""Several-row projections: each weight block read once for all rows (``specserve.kernels.gemv_rows``, every
+form and a sweep of launches) against one program per row (``gemv.fused_linear``, as a verify step runs them
+now) and cuBLAS, inside CUDA graphs, with the default model's shapes (random bf16 weights, 30 layers' worth,
+so that the weights do not stay in L2 between calls).
+
+    python benchmarks/bench_rows.py [--json FILE]     (CUDA)
+
+Per projection and row count: the median replay per call (30 calls over 30 weights in one graph), µs, and
+each variant's largest error against ``F.linear`` relative to the output's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from specserve.bench.steps import graph_us
+from specserve.kernels.gemv import ADD_NORM, block_n, fused_linear
+from specserve.kernels.gemv_rows import rows_linear
+
+H, I, LAYERS, EPS = 576, 1536, 30, 1e-5
+SHAPES = {"gate/up": (2 * I, H), "qkv": (960, H), "o": (H, H), "down": (H, I)}
+SWEEP = {"turn": [(bn, w) for bn in (4, 8, 16, 32) for w in (2, 4, 8)],
+         "dot": [(bn, w) for bn in (16, 32, 64) for w in (1, 2, 4)],
+         "bcast": [(bn, w) for bn in (2, 4, 8) for w in (4, 8)]}
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def measure(name: str, t: int, variants: dict, g) -> dict:
+    n, k = SHAPES[name]
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    ref = F.linear(x, ws[0])
+    row = dict(op=name, tokens=t, n=n, k=k, us={}, err={})
+
+    def time(label, fn, check=None):
+        try:
+            if check is not None:
+                row["err"][label] = rel_err(check(ws[0]), ref)
+            row["us"][label] = round(graph_us(lambda: [fn(w) for w in ws], LAYERS), 2)
+        except Exception as e:  # a launch that does not build here: noted, the sweep goes on
+            row["us"][label] = None
+            row["err"][label] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+    time("cublas", lambda w: F.linear(x, w))
+    time(f"per-row bn{block_n(n, k, t)}", lambda w: fused_linear(x, w)[0], lambda w: fused_linear(x, w)[0])
+    if name == "gate/up":  # as a verify step runs it now: the norm in the prologue
+        time("per-row add+norm", lambda w: fused_linear(x, w, None, ADD_NORM, res, nw, EPS)[0])
+    for form, launches in variants.items():
+        for bn, warps in launches:
+            def fn(w, form=form, bn=bn, warps=warps):
+                return rows_linear(x, w, form, bn, warps)
+            time(f"{form} bn{bn}/w{warps}", fn, fn)
+    ok = {lab: us for lab, us in row["us"].items() if us is not None}
+    best = min(ok, key=ok.get)
+    print(f"{name} t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(), key=lambda kv: kv[1]))
+          + f"  | best {best}", flush=True)
+    bad = {lab: e for lab, e in row["err"].items() if isinstance(e, str) or e > 2e-2}
+    if bad:
+        print(f"  errors / failures: {bad}", flush=True)
+    return row
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = [measure("gate/up", 5, SWEEP, g)]
+    # each form's three best launches at 5 rows, on the other projections and row counts
+    us = rows[0]["us"]
+    top = {form: sorted(((bn, w) for bn, w in launches if us.get(f"{form} bn{bn}/w{w}") is not None),
+                        key=lambda bw: us[f"{form} bn{bw[0]}/w{bw[1]}"])[:3] for form, launches in SWEEP.items()}
+    for name, t in (("gate/up", 2), ("gate/up", 8), ("qkv", 5), ("o", 5), ("down", 5)):
+        rows.append(measure(name, t, top, g))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
