@@ -13,7 +13,7 @@ from specserve.kernels import gemv
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
-from specserve.kernels.gemv_rows import FORMS, rows_linear, rows_takes
+from specserve.kernels.gemv_rows import FORMS, rows_linear, rows_projection, rows_takes
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.kernels.rope import rope_and_cache
@@ -194,19 +194,27 @@ def _check_gemv(device, dtype):
 @kernel_check
 def check_gemv_rows(device, dtype):
     """The several-row kernel (``gemv_rows``: each weight block read once for all rows) in each of its forms
-    against ``F.linear``: K split in two power-of-two blocks or whole, a partial last block of features, rows
-    with a stride of their own, 2 to 8 rows, two launches; and the switch (``SPECSERVE_GEMV_ROWS``): on, a
-    several-row step takes the kernel with the launch it names, a one-row step does not."""
+    against ``F.linear``, and with the o projection's epilogue against ``gemv.linear_add_scaled``: K split in two
+    power-of-two blocks or whole, a partial last block of features, rows with a stride of their own, 2 to 8 rows,
+    two launches; and the switch (``SPECSERVE_GEMV_ROWS``): on, a several-row step takes the kernel with the
+    launch it names, a one-row step does not."""
     g = torch.Generator().manual_seed(13)
-    for n, k in ((40, 96), (36, 64)) if QUICK else ((100, 576), (3072, 576), (40, 1000)):
+    for n, k in ((40, 96), (36, 64)) if QUICK else ((100, 576), (40, 1000)):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
         for t in (2, 5) if QUICK else (2, 5, 8):
             x = torch.randn(t, k + 8, generator=g).to(device, dtype)[:, :k]
             ref = torch.nn.functional.linear(x, w)
+            bias = torch.randn(n, generator=g).to(device, dtype)
+            add = torch.randn(t, n + 8, generator=g).to(device, dtype)[:, :n]
+            nw = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype)
+            want_s = gemv.linear_add_scaled(x, w, bias, add, nw)[0]  # the o projection's epilogue
             for form in FORMS:
-                for launch in ({}, {"block": 32, "num_warps": 2}):
-                    _close(rows_linear(x, w, form, **launch), ref, dtype,
-                           f"gemv rows {form} {launch} n={n} k={k} t={t}")
+                for launch in ({}, {"block": 32, "num_warps": 2}) if t == 5 else ({},):
+                    what = f"gemv rows {form} {launch} n={n} k={k} t={t}"
+                    _close(rows_linear(x, w, form, **launch), ref, dtype, what)
+                    s, scaled = rows_projection(x, w, bias, add, nw, form=form, **launch)
+                    _close(s, want_s, dtype, what + ": + bias + add")
+                    assert torch.equal(scaled, (nw.float() * s.float()).to(dtype)), what + ": scaled copy"
     old = os.environ.get("SPECSERVE_GEMV_ROWS")
     try:
         os.environ["SPECSERVE_GEMV_ROWS"] = "turn,8,2"
@@ -304,3 +312,9 @@ def check_attn_merge_fold(device, dtype):
             _close(a, b, dtype, f"merged o projection ({what}, {len(lens)} rows)")
         ref = paged_attention_sdpa(*args).reshape(t, hq * d)
         _close(got[0], linear_ref(ref, w, bias)[0], dtype, f"merged o projection against SDPA, {len(lens)} rows")
+        # the several-row kernel (gemv_rows) merging in its prologue, each form
+        want_b = gemv.linear_add_scaled(merged, w, bias, stream, nw)[0]
+        for form in FORMS:
+            s, scaled = rows_projection(parts.out.view(t, -1), w, bias, stream, nw, merge=parts, form=form)
+            _close(s, want_b, dtype, f"several-row merged o projection {form}, {len(lens)} rows")
+            assert torch.equal(scaled, (nw.float() * s.float()).to(dtype)), f"several-row scaled copy {form}"

@@ -18,6 +18,7 @@ from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.attention import AttnPartials
 from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, fused_linear, linear_add_scaled,
                                     merged_linear)
+from specserve.kernels.gemv_rows import rows_projection, rows_takes
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
@@ -114,6 +115,9 @@ class Attention(nn.Module):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD)  # [T, Hq, D]
         if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
+            o = self._rows_o(out.out.view(q.shape[0], -1), fold, stream, out)
+            if o is not None:
+                return o
             folded = () if fold is None else (stream, fold.weight)
             o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *folded)
             if o is not None:
@@ -125,8 +129,19 @@ class Attention(nn.Module):
         """out [..., Hq * D] -> the o projection [..., H]; with ``fold`` (an RMSNorm) and ``stream`` [..., H]:
         (o + stream, (o + stream) * fold.weight)."""
         if fold is not None:
+            o = self._rows_o(out, fold, stream)
+            if o is not None:
+                return o
             return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
         return linear(self.o_proj, out)
+
+    def _rows_o(self, x, fold, stream, merge=None):
+        """With ``fold``, where the kernel reading each weight block once for all rows takes this step's o
+        projection (``gemv_rows``, SPECSERVE_GEMV_ROWS_O; x [T, Hq * D], or only its shape with ``merge``, the
+        attention's unmerged ``AttnPartials``): (s, s * fold.weight) as ``_o_proj`` gives them; else None."""
+        if fold is None or x.dim() != 2 or not rows_takes(x, self.o_proj.weight, o=True):
+            return None
+        return rows_projection(x, self.o_proj.weight, self.o_proj.bias, stream, fold.weight, merge=merge, o=True)
 
 
 class DecoderLayer(nn.Module):
