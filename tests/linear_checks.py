@@ -312,9 +312,3 @@ def check_attn_merge_fold(device, dtype):
             _close(a, b, dtype, f"merged o projection ({what}, {len(lens)} rows)")
         ref = paged_attention_sdpa(*args).reshape(t, hq * d)
         _close(got[0], linear_ref(ref, w, bias)[0], dtype, f"merged o projection against SDPA, {len(lens)} rows")
-        # the several-row kernel (gemv_rows) merging in its prologue, each form
-        want_b = gemv.linear_add_scaled(merged, w, bias, stream, nw)[0]
-        for form in FORMS:
-            s, scaled = rows_projection(parts.out.view(t, -1), w, bias, stream, nw, merge=parts, form=form)
-            _close(s, want_b, dtype, f"several-row merged o projection {form}, {len(lens)} rows")
-            assert torch.equal(scaled, (nw.float() * s.float()).to(dtype)), f"several-row scaled copy {form}"

@@ -13,8 +13,9 @@ folded into its neighbours, ``linear_add_scaled`` and SILU_MUL_RSTD), so verify 
 round unlike decode rows, as they did with cuBLAS alone (bfloat16 outputs with and without speculation can
 part at near-ties; float32 on the CPU stays exact). Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
-(A tile kernel taking all rows of a step in one program per feature block, with ``tl.dot``, was slower on the
-H200 both loading K whole and looping over it: docs/BENCHMARKS.md, eighth and ninth sessions.)
+(Tile kernels taking all rows of a step in one program per feature block, each projection with its prologue, were
+slower on the H200, looping over K or loading it whole: docs/BENCHMARKS.md, eighth and ninth sessions. Without a
+prologue, a verify step's gate/up is faster that way: ``gemv_rows``, twenty-first session.)
 """
 
 from __future__ import annotations

@@ -2,22 +2,26 @@
 
 The few-row kernel (``gemv.py``) gives each program one token row: a verify step of 1 + D rows reads every
 weight block 1 + D times, from L2 after the first. On the H200 that is what a verify step's gate/up projection
-of the default model costs over a decode step's (6.5 against 3.0 µs: 17.7 MB through L2 instead of 3.5 MB,
-in 960 programs, more than one wave; docs/BENCHMARKS.md, twentieth session). Here a program owns a block of
-output features and every row: it loads its weight rows once (whole, as ``gemv`` does: one block of K or two
-power-of-two blocks) and then forms the rows' dot products in one of these ways (``FORMS``):
+of the default model cost over a decode step's (6.5 against 3.0 µs: 17.7 MB through L2 instead of 3.5 MB,
+in 960 programs; docs/BENCHMARKS.md, twentieth session). Here a program owns a block of output features and
+every row: it loads its weight rows once (whole, as ``gemv`` does: one block of K or two power-of-two blocks)
+and then forms the rows' dot products in one of these ways (``FORMS``):
 
+* ``dot`` (the default): one ``tl.dot`` of the rows (padded to 16) by the block's weights, float32
+  accumulation (tensor cores in bfloat16 / float16; float32 inputs in IEEE precision);
 * ``turn``: row after row, each as the one-row kernel forms it (products in float32, summed across the block);
-* ``dot``: one ``tl.dot`` of the rows (padded to 16) by the block's weights, float32 accumulation (tensor
-  cores in bfloat16 / float16; float32 inputs in IEEE precision);
 * ``bcast``: all rows at once as a [rows, features, K] product summed over K.
 
+H200, 5 rows, the default model's gate/up (``benchmarks/bench_rows.py``, twenty-first session): ``dot`` with 32
+features per program and 2 warps 2.21 µs a call, against 6.67 for one program per row with the norm in its
+prologue (5.50 without), cuBLAS 4.28, ``turn`` 4.67 at best, ``bcast`` 8.31 at best.
+
 No norm or activation prologue: the projections this serves are a verify step's gate/up with the norm before
-it folded into its neighbours (``SwiGLU.norm_folds``), and the o projection before it, which may merge an
-attention step's split partial sums in its prologue (as ``gemv.merged_linear``) and adds the stream and writes
-it times the next norm's weight in its epilogue (as ``gemv.linear_add_scaled``). ``SPECSERVE_GEMV_ROWS`` =
-``FORM[,BLOCK_N[,WARPS]]`` turns it on for gate/up, ``SPECSERVE_GEMV_ROWS_O`` (same spelling) for the o
-projection (0: off, the default until measured faster).
+it folded into its neighbours (``SwiGLU.norm_folds``), and, off by default, the o projection before it, which
+then adds the stream and writes it times the next norm's weight in its epilogue (as ``gemv.linear_add_scaled``;
+a step whose attention split its keys keeps ``gemv.merged_linear``: merging a [16, K] tile of rows in a ``dot``
+program spilled its registers, a verify step of 13.6 ms). ``SPECSERVE_GEMV_ROWS`` = ``FORM[,BLOCK_N[,WARPS]]``
+sets the gate/up launch (0: off), ``SPECSERVE_GEMV_ROWS_O`` (same spelling) the o projection's.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import kernel_failed, kernel_usable
-from specserve.kernels.gemv import MAX_ROWS, MERGE_MAX_SPLITS, gemv_enabled, k_blocks
+from specserve.kernels.gemv import MAX_ROWS, gemv_enabled, k_blocks
 from specserve.kernels.pdl import kernel_args
 
 try:
     import triton
     import triton.language as tl
 
-    from specserve.kernels.gemv import _gemv_dot, _gemv_weights, _merge_cols
+    from specserve.kernels.gemv import _gemv_dot, _gemv_weights
     from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
@@ -44,8 +48,11 @@ except ImportError:
 FORMS = {"turn": 0, "dot": 1, "bcast": 2}
 # the default launch per form: (features per program, warps)
 LAUNCH = {"turn": (16, 4), "dot": (16, 4), "bcast": (4, 8)}
-DEFAULT = "0"  # gate/up: off until measured faster
-DEFAULT_O = "0"  # the o projection: off until measured faster
+DEFAULT = "dot,32,2"  # gate/up (bench_rows.py's best at 5 rows; whole HumanEval, docs/BENCHMARKS.md)
+DEFAULT_O = "0"  # the o projection: off (faster per call without an epilogue, not measured in a step)
+# Steps of fewer rows keep one program per row: at 2 rows that kernel with its norm prologue costs 3.9 µs against
+# 2.2 here, about what folding the norm adds to the o and down projections (~1.8 µs at 5 rows)
+MIN_ROWS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,8 +80,8 @@ def setting(o: bool = False) -> tuple[str, int, int] | None:
 
 def rows_takes(x: torch.Tensor, weight: torch.Tensor, o: bool = False) -> bool:
     """Whether the step x [T, K] through ``weight`` [N, K] runs on this kernel (``o``: as the o projection):
-    on, a step of 2 to ``MAX_ROWS`` rows that the few-row kernels take, a plain weight."""
-    return (setting(o) is not None and 1 < x.shape[0] <= MAX_ROWS and gemv_enabled(x, weight.shape[1])
+    on, a step of ``MIN_ROWS`` to ``MAX_ROWS`` rows that the few-row kernels take, a plain weight."""
+    return (setting(o) is not None and MIN_ROWS <= x.shape[0] <= MAX_ROWS and gemv_enabled(x, weight.shape[1])
             and weight.stride(1) == 1 and weight.dtype == x.dtype and kernel_usable("gemv_rows"))
 
 
@@ -88,40 +95,31 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, form: str | None = None, 
     return F.linear(x, weight) if out is None else out[0]
 
 
-def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, norm_weight=None, merge=None,
-                    o: bool = False, form: str | None = None, block: int | None = None,
-                    num_warps: int | None = None):
+def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, norm_weight=None, o: bool = False,
+                    form: str | None = None, block: int | None = None, num_warps: int | None = None):
     """x [T, K] -> (x @ W.T + b (+ add) [T, N], that times ``norm_weight`` [N] or None), rounded as
-    ``gemv.linear_add_scaled`` rounds; ``merge`` (``AttnPartials``, whose ``out`` x is then a view of): the
-    rows are the merge of its split partial sums, as ``gemv.merged_linear`` computes them. The launch is the
-    setting's (``o``: the o projection's) unless ``form`` is given. None where the kernel does not run here (the
-    caller runs its own path)."""
+    ``gemv.linear_add_scaled`` rounds. The launch is the setting's (``o``: the o projection's) unless ``form`` is
+    given. None where the kernel does not build here (the caller runs its own path)."""
     if form is None:
         form, bn, warps = setting(o)
     else:
         bn, warps = LAUNCH[form]
     bn, warps = block or bn, num_warps or warps
-    if merge is not None and (merge.flat_index is None or merge.num_splits > MERGE_MAX_SPLITS):
-        return None
     t, (n, k) = x.shape[0], weight.shape
     k1, k2 = k_blocks(k)
     if form == "dot" and 0 < k2 < 16:  # tl.dot's K is at least 16: one block
         k1, k2 = triton.next_power_of_2(k), 0
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     out2 = None if norm_weight is None else torch.empty(t, n, dtype=x.dtype, device=x.device)
-    m = merge
-    margs = (m.acc, m.ml, m.flat_index, m.qw, m.n_qt) if m is not None else (out, out, out, 1, 1)
-    mconst = dict(MG=1, MQPT=1, MBM=1, MHD=1, MNS=1, MD=1, MHKV=1) if m is None else dict(
-        MG=m.g, MQPT=m.qpt, MBM=m.block_m, MHD=m.head_d, MNS=m.num_splits, MD=m.out.shape[2], MHKV=m.acc.shape[1])
     try:
         _rows_kernel[(triton.cdiv(n, bn),)](
             x, weight, out, bias if bias is not None else weight, add if add is not None else out,
-            out2 if out2 is not None else out, norm_weight if norm_weight is not None else weight, *margs,
-            n, x.stride(0), weight.stride(0), add.stride(0) if add is not None else 0, **mconst, T=t,
+            out2 if out2 is not None else out, norm_weight if norm_weight is not None else weight,
+            n, x.stride(0), weight.stride(0), add.stride(0) if add is not None else 0, T=t,
             TP=triton.next_power_of_2(t) if form == "bcast" else max(16, triton.next_power_of_2(t)),
             K=k, K1=k1, K2=k2, BLOCK_N=bn, FORM=FORMS[form], PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_OUT2=out2 is not None, MERGE=m is not None,
-            num_warps=warps, **kernel_args(x))
+            HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_OUT2=out2 is not None, num_warps=warps,
+            **kernel_args(x))
     except Exception as e:
         kernel_failed("gemv_rows", e)
         return None
@@ -130,17 +128,13 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(X, W, OUT, BIAS, ADD, OUT2, NW2, PACC, PML, FIDX, m_qw, m_nqt, N, s_x, s_w, s_a,
-                     MG: tl.constexpr, MQPT: tl.constexpr, MBM: tl.constexpr, MHD: tl.constexpr, MNS: tl.constexpr,
-                     MD: tl.constexpr, MHKV: tl.constexpr, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
-                     K1: tl.constexpr, K2: tl.constexpr, BLOCK_N: tl.constexpr, FORM: tl.constexpr,
+    def _rows_kernel(X, W, OUT, BIAS, ADD, OUT2, NW2, N, s_x, s_w, s_a, T: tl.constexpr, TP: tl.constexpr,
+                     K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BLOCK_N: tl.constexpr, FORM: tl.constexpr,
                      PREC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_OUT2: tl.constexpr,
-                     MERGE: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
         """OUT[t, cols] = X[t] . W[cols] (+ BIAS[cols] + ADD[t, cols]) for the T rows, OUT2 = OUT * NW2[cols]
-        (HAS_OUT2); MERGE: row t of X is the merge of an attention step's partial sums (PACC, PML, FIDX, m_*,
-        M*: ``AttnPartials``), X only giving the dtype. TP: the rows as padded for ``dot`` and ``bcast``; PREC:
-        ``tl.dot``'s input precision, used for float32 only. Weights, bias and NW2 are loaded before the
-        predecessor completes."""
+        (HAS_OUT2). TP: the rows as padded for ``dot`` and ``bcast``; PREC: ``tl.dot``'s input precision, used
+        for float32 only. Weights, bias and NW2 are loaded before the predecessor completes."""
         pdl_begin(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = cols < N
@@ -158,15 +152,19 @@ if triton is not None:
             ks2 = K1 + tl.arange(0, K2)
         if FORM == 0:  # row after row
             for r in tl.static_range(T):
-                t = tl.full([], r, tl.int32)
-                a1, a2 = _rows_input(X, PACC, PML, FIDX, m_qw, m_nqt, t, ks1, ks2, s_x, T, MG, MQPT, MBM, MHD, MNS,
-                                     MD, MHKV, K, K2, MERGE)
-                acc = _gemv_dot(w1, w2, a1.to(tl.float32), a2.to(tl.float32), K2)  # [BLOCK_N]
-                _rows_store(OUT, ADD, OUT2, t, cols, nm, acc, bias, nw2, N, s_a, HAS_ADD, HAS_OUT2)
+                a1 = tl.load(X + r * s_x + ks1, mask=ks1 < K, other=0.0).to(tl.float32)
+                a2 = a1
+                if K2 > 0:
+                    a2 = tl.load(X + r * s_x + ks2, mask=ks2 < K, other=0.0).to(tl.float32)
+                acc = _gemv_dot(w1, w2, a1, a2, K2)  # [BLOCK_N]
+                _rows_store(OUT, ADD, OUT2, tl.full([], r, tl.int32), cols, nm, acc, bias, nw2, N, s_a, HAS_ADD,
+                            HAS_OUT2)
         else:
-            rows = tl.arange(0, TP)[:, None]  # [TP, 1]
-            x1, x2 = _rows_input(X, PACC, PML, FIDX, m_qw, m_nqt, rows, ks1[None, :], ks2[None, :], s_x, T, MG, MQPT,
-                                 MBM, MHD, MNS, MD, MHKV, K, K2, MERGE)  # [TP, K1], [TP, K2]
+            rows = tl.arange(0, TP)[:, None]  # [TP, 1]; rows past T read as zeros
+            x1 = tl.load(X + rows * s_x + ks1[None, :], mask=(rows < T) & (ks1 < K)[None, :], other=0.0)
+            x2 = x1
+            if K2 > 0:
+                x2 = tl.load(X + rows * s_x + ks2[None, :], mask=(rows < T) & (ks2 < K)[None, :], other=0.0)
             if FORM == 1:
                 acc = tl.dot(x1, tl.trans(w1), input_precision=PREC)  # [TP, BLOCK_N] float32
                 if K2 > 0:
@@ -177,31 +175,6 @@ if triton is not None:
                     acc += tl.sum(x2.to(tl.float32)[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
             _rows_store(OUT, ADD, OUT2, rows, cols[None, :], (rows < T) & nm[None, :], acc, bias[None, :],
                         nw2[None, :], N, s_a, HAS_ADD, HAS_OUT2)
-
-    @triton.jit
-    def _rows_input(X, PACC, PML, FIDX, qw, nqt, t, ks1, ks2, s_x, T: tl.constexpr, G: tl.constexpr,
-                    QPT: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr, D: tl.constexpr,
-                    HKV: tl.constexpr, K: tl.constexpr, K2: tl.constexpr, MERGE: tl.constexpr):
-        """Rows t (a row, or [TP, 1] rows with columns [1, K*]) of the input in X's dtype at columns ks1 and ks2
-        (the second is the first when K2 = 0); rows past T read as zeros (merged: as row 0)."""
-        x1 = _rows_cols(X, PACC, PML, FIDX, qw, nqt, t, ks1, s_x, T, G, QPT, BM, HD, NS, D, HKV, K, MERGE)
-        x2 = x1
-        if K2 > 0:
-            x2 = _rows_cols(X, PACC, PML, FIDX, qw, nqt, t, ks2, s_x, T, G, QPT, BM, HD, NS, D, HKV, K, MERGE)
-        return x1, x2
-
-    @triton.jit
-    def _rows_cols(X, PACC, PML, FIDX, qw, nqt, t, ks, s_x, T: tl.constexpr, G: tl.constexpr, QPT: tl.constexpr,
-                   BM: tl.constexpr, HD: tl.constexpr, NS: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
-                   K: tl.constexpr, MERGE: tl.constexpr):
-        if MERGE:  # as gemv's ATTN_MERGE prologue (the merge rounded to X's dtype)
-            fi = tl.load(FIDX + t, mask=t < T, other=0)  # b * Qw + j
-            tile = (fi // qw) * nqt + (fi % qw) // QPT
-            row = (fi % qw) % QPT
-            x = _merge_cols(X, PACC, PML, tile, row, ks, G, BM, HD, NS, D, HKV, K).to(X.dtype.element_ty)
-        else:
-            x = tl.load(X + t * s_x + ks, mask=(t < T) & (ks < K), other=0.0)
-        return x
 
     @triton.jit
     def _rows_store(OUT, ADD, OUT2, t, cols, m, acc, bias, nw2, N, s_a, HAS_ADD: tl.constexpr,

@@ -115,9 +115,6 @@ class Attention(nn.Module):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD)  # [T, Hq, D]
         if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
-            o = self._rows_o(out.out.view(q.shape[0], -1), fold, stream, out)
-            if o is not None:
-                return o
             folded = () if fold is None else (stream, fold.weight)
             o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *folded)
             if o is not None:
@@ -135,13 +132,13 @@ class Attention(nn.Module):
             return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
         return linear(self.o_proj, out)
 
-    def _rows_o(self, x, fold, stream, merge=None):
+    def _rows_o(self, x, fold, stream):
         """With ``fold``, where the kernel reading each weight block once for all rows takes this step's o
-        projection (``gemv_rows``, SPECSERVE_GEMV_ROWS_O; x [T, Hq * D], or only its shape with ``merge``, the
-        attention's unmerged ``AttnPartials``): (s, s * fold.weight) as ``_o_proj`` gives them; else None."""
+        projection (``gemv_rows``, SPECSERVE_GEMV_ROWS_O; x [T, Hq * D]): (s, s * fold.weight) as ``_o_proj``
+        gives them; else None."""
         if fold is None or x.dim() != 2 or not rows_takes(x, self.o_proj.weight, o=True):
             return None
-        return rows_projection(x, self.o_proj.weight, self.o_proj.bias, stream, fold.weight, merge=merge, o=True)
+        return rows_projection(x, self.o_proj.weight, self.o_proj.bias, stream, fold.weight, o=True)
 
 
 class DecoderLayer(nn.Module):
