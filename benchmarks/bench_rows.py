@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from specserve.bench.steps import graph_us
 from specserve.kernels.gemv import ADD_NORM, block_n, fused_linear
-from specserve.kernels.gemv_rows import rows_linear
+from specserve.kernels.gemv_rows import rows_linear, rows_projection
 
 H, I, LAYERS, EPS = 576, 1536, 30, 1e-5
 SHAPES = {"gate/up": (2 * I, H), "qkv": (960, H), "o": (H, H), "down": (H, I)}
@@ -59,6 +59,12 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
             def fn(w, form=form, bn=bn, warps=warps):
                 return rows_linear(x, w, form, bn, warps)
             time(f"{form} bn{bn}/w{warps}", fn, fn)
+    if name == "gate/up":  # the dot form with the add + norm in its prologue (SPECSERVE_GEMV_ROWS_NORM=1)
+        for bn, warps in variants.get("dot", []):
+            def fn(w, bn=bn, warps=warps):
+                return rows_projection(x, w, form="dot", block=bn, num_warps=warps, residual=res, norm_in=nw,
+                                       eps=EPS)[0]
+            time(f"dot+add+norm bn{bn}/w{warps}", fn)
     ok = {lab: us for lab, us in row["us"].items() if us is not None}
     best = min(ok, key=ok.get)
     print(f"{name} t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(), key=lambda kv: kv[1]))

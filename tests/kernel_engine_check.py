@@ -47,27 +47,34 @@ for spec, padded in ((False, True),) if QUICK else ((False, False), (False, True
     print(f"triton spec={spec} padded={padded}: {'ok' if same else 'DIFFERENT'}", flush=True)
 # the norm after attention folded into the o projection and the down projection (SwiGLU.norm_folds), which the
 # default model's verify steps take: this tiny model's steps take it only when told to; gate/up on cuBLAS, then on
-# the kernel that reads each weight block once for all rows (gemv_rows, each form), the o projection too
+# the kernel that reads each weight block once for all rows (gemv_rows, each form), the o projection too; and that
+# kernel with the norm in its prologue instead (SPECSERVE_GEMV_ROWS_NORM=1, no fold)
 import specserve.models.layers as layers  # noqa: E402
 import specserve.models.llama as llama  # noqa: E402
 
-taken = {"gate/up": [], "o": []}
+taken = {"gate/up": [], "o": [], "gate/up with its norm": []}
 rows_linear, rows_projection = layers.rows_linear, llama.rows_projection
 layers.rows_linear = lambda x, w: taken["gate/up"].append(layers.rows_takes(x, w)) or rows_linear(x, w)
 llama.rows_projection = lambda *a, **k: taken["o"].append(True) or rows_projection(*a, **k)
-os.environ["SPECSERVE_NORM_FOLD"] = "always"
-for rows in ("0", "dot") if QUICK else ("0", "dot", "turn", "bcast"):
+layers.rows_projection = lambda *a, **k: taken["gate/up with its norm"].append(True) or rows_projection(*a, **k)
+# (gemv_rows setting, the norm before gate/up in that kernel's prologue instead of folded)
+for rows, norm_in in (("0", False), ("dot", False), ("dot", True)) if QUICK else (
+        ("0", False), ("dot", False), ("turn", False), ("bcast", False), ("dot", True), ("turn", True)):
     os.environ["SPECSERVE_GEMV_ROWS"] = os.environ["SPECSERVE_GEMV_ROWS_O"] = rows
+    os.environ["SPECSERVE_GEMV_ROWS_NORM"] = str(int(norm_in))
+    os.environ["SPECSERVE_NORM_FOLD"] = "1" if norm_in else "always"
     for calls in taken.values():
         calls.clear()
     same = run("triton", True, False) == ref  # quick: also the packed speculative layout's only runs
-    if rows != "0" and not (any(taken["gate/up"]) and taken["o"]):
+    ran = taken["gate/up with its norm"] if norm_in else (any(taken["gate/up"]) and taken["o"])
+    if rows != "0" and not ran:
         print(f"the several-row kernel did not run as asked: {({k: sum(v) for k, v in taken.items()})}")
         same = False
     bad += not same
-    print(f"triton spec=True padded=False norm folded, gate/up and o rows={rows}: {'ok' if same else 'DIFFERENT'}",
-          flush=True)
-del os.environ["SPECSERVE_NORM_FOLD"], os.environ["SPECSERVE_GEMV_ROWS"], os.environ["SPECSERVE_GEMV_ROWS_O"]
+    print(f"triton spec=True padded=False gate/up and o rows={rows}, "
+          f"{'norm in its prologue' if norm_in else 'norm folded'}: {'ok' if same else 'DIFFERENT'}", flush=True)
+for var in ("SPECSERVE_NORM_FOLD", "SPECSERVE_GEMV_ROWS", "SPECSERVE_GEMV_ROWS_O", "SPECSERVE_GEMV_ROWS_NORM"):
+    del os.environ[var]
 same = run("triton", True, True, "e3v") == ref
 bad += not same
 print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)

@@ -194,7 +194,8 @@ def _check_gemv(device, dtype):
 @kernel_check
 def check_gemv_rows(device, dtype):
     """The several-row kernel (``gemv_rows``: each weight block read once for all rows) in each of its forms
-    against ``F.linear``, and with the o projection's epilogue against ``gemv.linear_add_scaled``: K split in two
+    against ``F.linear``, with the o projection's epilogue against ``gemv.linear_add_scaled`` and with the add +
+    norm prologue against gemv's ADD_NORM reference: K split in two
     power-of-two blocks or whole, a partial last block of features, rows with a stride of their own, 2 to 8 rows,
     two launches; and the switch (``SPECSERVE_GEMV_ROWS``): on, a several-row step takes the kernel with the
     launch it names, a one-row step does not."""
@@ -208,6 +209,9 @@ def check_gemv_rows(device, dtype):
             add = torch.randn(t, n + 8, generator=g).to(device, dtype)[:, :n]
             nw = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype)
             want_s = gemv.linear_add_scaled(x, w, bias, add, nw)[0]  # the o projection's epilogue
+            res = torch.randn(t, k + 4, generator=g).to(device, dtype)[:, :k]
+            nw_k = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+            want_n, want_r = linear_ref(x, w, bias, ADD_NORM, res, nw_k, 1e-5)
             for form in FORMS:
                 for launch in ({}, {"block": 32, "num_warps": 2}) if t == 5 else ({},):
                     what = f"gemv rows {form} {launch} n={n} k={k} t={t}"
@@ -215,6 +219,10 @@ def check_gemv_rows(device, dtype):
                     s, scaled = rows_projection(x, w, bias, add, nw, form=form, **launch)
                     _close(s, want_s, dtype, what + ": + bias + add")
                     assert torch.equal(scaled, (nw.float() * s.float()).to(dtype)), what + ": scaled copy"
+                    # the residual add and RMSNorm in its prologue, as gemv's ADD_NORM
+                    got, r = rows_projection(x, w, bias, form=form, residual=res, norm_in=nw_k, eps=1e-5, **launch)
+                    _close(got, want_n, dtype, what + ": add + norm prologue")
+                    assert torch.equal(r, want_r), what + ": add + norm prologue, the new residual"
     old = os.environ.get("SPECSERVE_GEMV_ROWS")
     try:
         os.environ["SPECSERVE_GEMV_ROWS"] = "turn,8,2"

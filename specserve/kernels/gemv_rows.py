@@ -16,12 +16,14 @@ H200, 5 rows, the default model's gate/up (``benchmarks/bench_rows.py``, twenty-
 features per program and 2 warps 2.21 µs a call, against 6.67 for one program per row with the norm in its
 prologue (5.50 without), cuBLAS 4.28, ``turn`` 4.67 at best, ``bcast`` 8.31 at best.
 
-No norm or activation prologue: the projections this serves are a verify step's gate/up with the norm before
+No activation prologue: the projections this serves are a verify step's gate/up with the norm before
 it folded into its neighbours (``SwiGLU.norm_folds``), and, off by default, the o projection before it, which
 then adds the stream and writes it times the next norm's weight in its epilogue (as ``gemv.linear_add_scaled``;
 a step whose attention split its keys keeps ``gemv.merged_linear``: merging a [16, K] tile of rows in a ``dot``
 program spilled its registers, a verify step of 13.6 ms). ``SPECSERVE_GEMV_ROWS`` = ``FORM[,BLOCK_N[,WARPS]]``
 sets the gate/up launch (0: off), ``SPECSERVE_GEMV_ROWS_O`` (same spelling) the o projection's.
+``SPECSERVE_GEMV_ROWS_NORM=1`` (off, not yet measured) gives gate/up the residual add and RMSNorm in its prologue
+instead, as ``gemv``'s ADD_NORM, so that nothing folds.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ try:
     import triton
     import triton.language as tl
 
-    from specserve.kernels.gemv import _gemv_dot, _gemv_weights
+    from specserve.kernels.gemv import _gemv_dot, _gemv_normed, _gemv_prologue, _gemv_weights
     from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
@@ -95,11 +97,20 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, form: str | None = None, 
     return F.linear(x, weight) if out is None else out[0]
 
 
+def rows_norm() -> bool:
+    """``SPECSERVE_GEMV_ROWS_NORM=1``: gate/up on this kernel takes the norm before it (and the residual add) in
+    its prologue instead of folding it into the o and down projections (off: not yet measured)."""
+    return os.environ.get("SPECSERVE_GEMV_ROWS_NORM", "0") == "1"
+
+
 def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, norm_weight=None, o: bool = False,
-                    form: str | None = None, block: int | None = None, num_warps: int | None = None):
+                    form: str | None = None, block: int | None = None, num_warps: int | None = None,
+                    residual=None, norm_in=None, eps: float = 0.0):
     """x [T, K] -> (x @ W.T + b (+ add) [T, N], that times ``norm_weight`` [N] or None), rounded as
-    ``gemv.linear_add_scaled`` rounds. The launch is the setting's (``o``: the o projection's) unless ``form`` is
-    given. None where the kernel does not build here (the caller runs its own path)."""
+    ``gemv.linear_add_scaled`` rounds; with ``residual`` [T, K] and ``norm_in`` [K]: of RMSNorm(x + residual)
+    instead, rounded as ``gemv``'s ADD_NORM prologue, and the second value is x + residual. The launch is the
+    setting's (``o``: the o projection's) unless ``form`` is given. None where the kernel does not build here
+    (the caller runs its own path)."""
     if form is None:
         form, bn, warps = setting(o)
     else:
@@ -111,11 +122,15 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
         k1, k2 = triton.next_power_of_2(k), 0
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     out2 = None if norm_weight is None else torch.empty(t, n, dtype=x.dtype, device=x.device)
+    norm = residual is not None
+    res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if norm else None
     try:
         _rows_kernel[(triton.cdiv(n, bn),)](
             x, weight, out, bias if bias is not None else weight, add if add is not None else out,
             out2 if out2 is not None else out, norm_weight if norm_weight is not None else weight,
-            n, x.stride(0), weight.stride(0), add.stride(0) if add is not None else 0, T=t,
+            residual if norm else x, res_out if norm else out, norm_in if norm else weight, eps,
+            residual.stride(0) if norm else 0,
+            n, x.stride(0), weight.stride(0), add.stride(0) if add is not None else 0, NORM_IN=norm, T=t,
             TP=triton.next_power_of_2(t) if form == "bcast" else max(16, triton.next_power_of_2(t)),
             K=k, K1=k1, K2=k2, BLOCK_N=bn, FORM=FORMS[form], PREC="ieee" if x.dtype == torch.float32 else "tf32",
             HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_OUT2=out2 is not None, num_warps=warps,
@@ -123,18 +138,20 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
     except Exception as e:
         kernel_failed("gemv_rows", e)
         return None
-    return out, out2
+    return out, res_out if norm else out2
 
 
 if triton is not None:
     @triton.jit
-    def _rows_kernel(X, W, OUT, BIAS, ADD, OUT2, NW2, N, s_x, s_w, s_a, T: tl.constexpr, TP: tl.constexpr,
+    def _rows_kernel(X, W, OUT, BIAS, ADD, OUT2, NW2, RES, RES_OUT, NWI, eps, s_r, N, s_x, s_w, s_a,
+                     NORM_IN: tl.constexpr, T: tl.constexpr, TP: tl.constexpr,
                      K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BLOCK_N: tl.constexpr, FORM: tl.constexpr,
                      PREC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_OUT2: tl.constexpr,
                      PDL: tl.constexpr):
         """OUT[t, cols] = X[t] . W[cols] (+ BIAS[cols] + ADD[t, cols]) for the T rows, OUT2 = OUT * NW2[cols]
-        (HAS_OUT2). TP: the rows as padded for ``dot`` and ``bcast``; PREC: ``tl.dot``'s input precision, used
-        for float32 only. Weights, bias and NW2 are loaded before the predecessor completes."""
+        (HAS_OUT2); NORM_IN: X[t] is RMSNorm(X[t] + RES[t]) with weight NWI (RES_OUT[t] = X[t] + RES[t], written
+        by the first program). TP: the rows as padded for ``dot`` and ``bcast``; PREC: ``tl.dot``'s input
+        precision, used for float32 only. Weights, bias and NW2 are loaded before the predecessor completes."""
         pdl_begin(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = cols < N
@@ -152,10 +169,14 @@ if triton is not None:
             ks2 = K1 + tl.arange(0, K2)
         if FORM == 0:  # row after row
             for r in tl.static_range(T):
-                a1 = tl.load(X + r * s_x + ks1, mask=ks1 < K, other=0.0).to(tl.float32)
-                a2 = a1
-                if K2 > 0:
-                    a2 = tl.load(X + r * s_x + ks2, mask=ks2 < K, other=0.0).to(tl.float32)
+                if NORM_IN:  # gemv's ADD_NORM prologue
+                    a1, a2 = _gemv_prologue(X, RES, RES_OUT, NWI, tl.full([], r, tl.int64), eps, s_x, s_r,
+                                            tl.program_id(0), K, 2, K1, K2, 1, 1)
+                else:
+                    a1 = tl.load(X + r * s_x + ks1, mask=ks1 < K, other=0.0).to(tl.float32)
+                    a2 = a1
+                    if K2 > 0:
+                        a2 = tl.load(X + r * s_x + ks2, mask=ks2 < K, other=0.0).to(tl.float32)
                 acc = _gemv_dot(w1, w2, a1, a2, K2)  # [BLOCK_N]
                 _rows_store(OUT, ADD, OUT2, tl.full([], r, tl.int32), cols, nm, acc, bias, nw2, N, s_a, HAS_ADD,
                             HAS_OUT2)
@@ -165,6 +186,8 @@ if triton is not None:
             x2 = x1
             if K2 > 0:
                 x2 = tl.load(X + rows * s_x + ks2[None, :], mask=(rows < T) & (ks2 < K)[None, :], other=0.0)
+            if NORM_IN:
+                x1, x2 = _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T, K, K2)
             if FORM == 1:
                 acc = tl.dot(x1, tl.trans(w1), input_precision=PREC)  # [TP, BLOCK_N] float32
                 if K2 > 0:
@@ -175,6 +198,29 @@ if triton is not None:
                     acc += tl.sum(x2.to(tl.float32)[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
             _rows_store(OUT, ADD, OUT2, rows, cols[None, :], (rows < T) & nm[None, :], acc, bias[None, :],
                         nw2[None, :], N, s_a, HAS_ADD, HAS_OUT2)
+
+    @triton.jit
+    def _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T: tl.constexpr, K: tl.constexpr,
+                       K2: tl.constexpr):
+        """Rows [TP, K1] and [TP, K2] -> RMSNorm(rows + residual) in their dtype, rounded as gemv's ADD_NORM
+        prologue (the sum in the rows' dtype, then ``_gemv_normed``); the sums written by the first program."""
+        m1 = (rows < T) & (ks1 < K)[None, :]
+        x1 = x1 + tl.load(RES + rows * s_r + ks1[None, :], mask=m1, other=0.0)
+        if tl.program_id(0) == 0:
+            tl.store(RES_OUT + rows * K + ks1[None, :], x1, mask=m1)
+        ss = tl.sum(x1.to(tl.float32) * x1.to(tl.float32), axis=1, keep_dims=True)  # [TP, 1]
+        if K2 > 0:
+            m2 = (rows < T) & (ks2 < K)[None, :]
+            x2 = x2 + tl.load(RES + rows * s_r + ks2[None, :], mask=m2, other=0.0)
+            if tl.program_id(0) == 0:
+                tl.store(RES_OUT + rows * K + ks2[None, :], x2, mask=m2)
+            ss += tl.sum(x2.to(tl.float32) * x2.to(tl.float32), axis=1, keep_dims=True)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        n1 = _gemv_normed(x1, NWI, ks1[None, :], (ks1 < K)[None, :], rstd).to(x1.dtype)
+        n2 = n1
+        if K2 > 0:
+            n2 = _gemv_normed(x2, NWI, ks2[None, :], (ks2 < K)[None, :], rstd).to(x2.dtype)
+        return n1, n2
 
     @triton.jit
     def _rows_store(OUT, ADD, OUT2, t, cols, m, acc, bias, nw2, N, s_a, HAS_ADD: tl.constexpr,

@@ -13,7 +13,7 @@ from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import (ADD_NORM, NORM, SILU_MUL, SILU_MUL_RSTD, fused_argmax, fused_linear, gemv_enabled,
                                     takes_kernel)
-from specserve.kernels.gemv_rows import rows_linear, rows_takes
+from specserve.kernels.gemv_rows import rows_linear, rows_norm, rows_projection, rows_takes
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -170,12 +170,12 @@ class SwiGLU(nn.Module):
         projection scales gate and up by 1 / rms(s) (``from_stream``). So it does where the step has too many
         rows for the one-row-per-program kernel (cuBLAS runs gate/up: a step of 6-8 rows of the default model,
         or a wider model's verify step), or where the kernel reading each weight block once for all rows takes
-        it (``gemv_rows``, when on). Not in float16: the gate/up outputs are rms(s) times gate/up's, which a
-        large stream could take past its range. SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every
+        it (``gemv_rows``, unless SPECSERVE_GEMV_ROWS_NORM=1 puts the norm in its prologue). Not in float16: the
+        gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range. SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every
         few-row step (tests: a tiny model's steps fit the kernel)."""
         gu, mode = self.gate_up_proj, os.environ.get("SPECSERVE_NORM_FOLD", "1")
         return (mode != "0" and x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
-                and (mode == "always" or rows_takes(x, gu.weight)
+                and (mode == "always" or (rows_takes(x, gu.weight) and not rows_norm())
                      or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
 
     def from_stream(self, norm: RMSNorm, s: torch.Tensor, scaled: torch.Tensor, add_stream: bool = False):
@@ -188,6 +188,12 @@ class SwiGLU(nn.Module):
                             add=s if add_stream else None)[0]
 
     def _normed_gate_up(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
-        """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual)."""
+        """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual); with
+        SPECSERVE_GEMV_ROWS_NORM=1, on ``gemv_rows``' kernel where that takes the step."""
+        gu = self.gate_up_proj
+        if rows_norm() and rows_takes(x, gu.weight):
+            out = rows_projection(x, gu.weight, gu.bias, residual=residual, norm_in=norm.weight, eps=norm.eps)
+            if out is not None:
+                return out
         return fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual, norm.weight,
                             norm.eps)
