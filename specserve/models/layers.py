@@ -171,8 +171,9 @@ class SwiGLU(nn.Module):
         rows for the one-row-per-program kernel (cuBLAS runs gate/up: a step of 6-8 rows of the default model,
         or a wider model's verify step), or where the kernel reading each weight block once for all rows takes
         it (``gemv_rows``, unless SPECSERVE_GEMV_ROWS_NORM=1 puts the norm in its prologue). Not in float16: the
-        gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range. SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every
-        few-row step (tests: a tiny model's steps fit the kernel)."""
+        gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range.
+        SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every few-row step (tests: a tiny model's steps
+        fit the kernel)."""
         gu, mode = self.gate_up_proj, os.environ.get("SPECSERVE_NORM_FOLD", "1")
         return (mode != "0" and x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
                 and (mode == "always" or (rows_takes(x, gu.weight) and not rows_norm())
