@@ -4,11 +4,10 @@ attention merge folded into the o projection. Part of ``kernel_checks.CHECKS``."
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from check_util import QUICK, _close, kernel_check
+from check_util import QUICK, _close, env, kernel_check
 from specserve.kernels import gemv
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
@@ -84,18 +83,15 @@ def check_qkv_rope(device, dtype):
 
 def check_gemv(device, dtype):
     # K loaded in one block or split in two (576 = 512 + 64); the weights loaded after the prologue or first
-    old, wfirst = os.environ.get("SPECSERVE_GEMV_SPLITK"), gemv.WFIRST
+    wfirst = gemv.WFIRST
     try:
         variants = (("0", False), ("1", True)) if QUICK else (("0", False), ("0", True), ("1", False), ("1", True))
         for split, first in variants:
-            os.environ["SPECSERVE_GEMV_SPLITK"], gemv.WFIRST = split, first
-            _check_gemv(device, dtype)
+            gemv.WFIRST = first
+            with env("SPECSERVE_GEMV_SPLITK", split):
+                _check_gemv(device, dtype)
     finally:
         gemv.WFIRST = wfirst
-        if old is None:
-            del os.environ["SPECSERVE_GEMV_SPLITK"]
-        else:
-            os.environ["SPECSERVE_GEMV_SPLITK"] = old
 
 
 @kernel_check
@@ -223,19 +219,12 @@ def check_gemv_rows(device, dtype):
                     got, r = rows_projection(x, w, bias, form=form, residual=res, norm_in=nw_k, eps=1e-5, **launch)
                     _close(got, want_n, dtype, what + ": add + norm prologue")
                     assert torch.equal(r, want_r), what + ": add + norm prologue, the new residual"
-    old = os.environ.get("SPECSERVE_GEMV_ROWS")
-    try:
-        os.environ["SPECSERVE_GEMV_ROWS"] = "turn,8,2"
-        x = torch.randn(5, k, generator=g).to(device, dtype)
+    x = torch.randn(5, k, generator=g).to(device, dtype)
+    with env("SPECSERVE_GEMV_ROWS", "turn,8,2"):
         assert rows_takes(x, w) and not rows_takes(x[:1], w)
         assert torch.equal(rows_linear(x, w), rows_linear(x, w, "turn", 8, 2))
-        os.environ["SPECSERVE_GEMV_ROWS"] = "0"
+    with env("SPECSERVE_GEMV_ROWS", "0"):
         assert not rows_takes(x, w)
-    finally:
-        if old is None:
-            del os.environ["SPECSERVE_GEMV_ROWS"]
-        else:
-            os.environ["SPECSERVE_GEMV_ROWS"] = old
 
 
 @kernel_check
@@ -262,18 +251,11 @@ def check_norm_fold(device, dtype):
             o = fused_linear(attn, w_o)[0]
             want, want_s = mlp.after_norm(norm, o, stream)
             _close(s, want_s, dtype, f"norm fold: stream h={h} t={t}")
-            old = os.environ.get("SPECSERVE_GEMV_ROWS")
-            os.environ["SPECSERVE_GEMV_ROWS"] = rows
-            try:
+            with env("SPECSERVE_GEMV_ROWS", rows):
                 assert rows_takes(scaled, mlp.gate_up_proj.weight) == (rows != "0")
                 _close(mlp.from_stream(norm, s, scaled), want, dtype, f"norm fold: mlp h={h} t={t} rows={rows}")
                 _close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream), dtype,
                        f"norm fold: mlp + stream h={h} t={t} rows={rows}")
-            finally:
-                if old is None:
-                    del os.environ["SPECSERVE_GEMV_ROWS"]
-                else:
-                    os.environ["SPECSERVE_GEMV_ROWS"] = old
 
 
 @kernel_check
