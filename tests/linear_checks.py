@@ -1,9 +1,8 @@
-"""The few-row linear kernels (``kernels/gemv.py``, ``kernels/qkv_rope.py``) against their PyTorch references:
+"""The few-row linear kernels (``kernels/gemv.py``, ``gemv_rows.py``, ``qkv_rope.py``) against their PyTorch references:
 every prologue, int8 weights, the argmax inside the projection, the norm folded into its neighbours and the
 attention merge folded into the o projection. Part of ``kernel_checks.CHECKS``."""
 
 from __future__ import annotations
-
 
 import torch
 
