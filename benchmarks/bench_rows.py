@@ -3,16 +3,20 @@ form and a sweep of launches) against one program per row (``gemv.fused_linear``
 now) and cuBLAS, inside CUDA graphs, with the default model's shapes (random bf16 weights, 30 layers' worth,
 so that the weights do not stay in L2 between calls).
 
-    python benchmarks/bench_rows.py [--json FILE]     (CUDA)
+    python benchmarks/bench_rows.py [--json FILE] [--qkv-only]     (CUDA)
 
-Per projection and row count: the median replay per call (30 calls over 30 weights in one graph), µs, and
-each variant's largest error against ``F.linear`` relative to the output's largest magnitude.
+Also the qkv projection with its add + norm prologue, RoPE and the cache write (``qkv_rope``): one program per
+row against the several-row kernel. Per projection and row count: the median replay per call (30 calls over 30
+weights in one graph), µs, and each variant's largest error against ``F.linear`` (qkv: against the one-row
+kernel) relative to the output's largest magnitude.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from specserve.bench.steps import graph_us
 from specserve.kernels.gemv import ADD_NORM, block_n, fused_linear
 from specserve.kernels.gemv_rows import rows_linear, rows_projection
+from specserve.kernels.qkv_rope import _qkv_rows, qkv_rope_cache
 
 H, I, LAYERS, EPS = 576, 1536, 30, 1e-5
 SHAPES = {"gate/up": (2 * I, H), "qkv": (960, H), "o": (H, H), "down": (H, I)}
@@ -65,6 +70,11 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
                 return rows_projection(x, w, form="dot", block=bn, num_warps=warps, residual=res, norm_in=nw,
                                        eps=EPS)[0]
             time(f"dot+add+norm bn{bn}/w{warps}", fn)
+
+            def fn_after(w, bn=bn, warps=warps):
+                return rows_projection(x, w, form="dot", block=bn, num_warps=warps, residual=res, norm_in=nw,
+                                       eps=EPS, after=True)[0]
+            time(f"dot+add+norm after bn{bn}/w{warps}", fn_after)
     ok = {lab: us for lab, us in row["us"].items() if us is not None}
     best = min(ok, key=ok.get)
     print(f"{name} t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(), key=lambda kv: kv[1]))
@@ -75,19 +85,79 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
     return row
 
 
+def measure_qkv(t: int, g) -> dict:
+    """The qkv projection with its residual add + norm prologue, RoPE and the cache write: one program per row
+    (``qkv_rope_cache``'s kernel, as a verify step runs it now) against the several-row kernel in each norm
+    mode and a sweep of launches (pairs per program / warps)."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    n, k = SHAPES["qkv"]
+    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in range(LAYERS)]
+    x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    freqs = torch.outer(torch.arange(4096, device="cuda").float(),
+                        1.0 / (1e5 ** (torch.arange(0, d, 2, device="cuda").float() / d)))
+    cos, sin = freqs.cos(), freqs.sin()
+    kc, vc = torch.zeros(2, 64, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(256, 256 + t, device="cuda")
+    slots = pos.clone()
+    common = (pos, cos, sin, kc, vc, slots, hq, hkv, d)
+    row = dict(op="qkv+rope add+norm", tokens=t, n=n, k=k, us={}, err={})
+    with env_set("SPECSERVE_QKV_ROWS", "0"):
+        ref = qkv_rope_cache(x, ws[0], None, ADD_NORM, res, nw, EPS, *common)[0]
+        row["us"]["per-row"] = round(graph_us(lambda: [qkv_rope_cache(x, w, None, ADD_NORM, res, nw, EPS, *common)
+                                                       for w in ws], LAYERS), 2)
+    for mode, name in ((1, "exact"), (2, "after")):
+        for hb, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4)):
+            label = f"rows {name} hb{hb}/w{warps}"
+            try:
+                out = _qkv_rows(x, ws[0], None, ADD_NORM, res, nw, EPS, *common, setting=(mode, hb, warps))
+                row["err"][label] = rel_err(out[0], ref)
+                row["us"][label] = round(graph_us(lambda: [_qkv_rows(x, w, None, ADD_NORM, res, nw, EPS, *common,
+                                                                     setting=(mode, hb, warps)) for w in ws],
+                                                  LAYERS), 2)
+            except Exception as e:
+                row["us"][label], row["err"][label] = None, f"{type(e).__name__}: {str(e)[:120]}"
+    ok = {lab: us for lab, us in row["us"].items() if us is not None}
+    print(f"qkv+rope add+norm t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(),
+                                                                                      key=lambda kv: kv[1])), flush=True)
+    bad = {lab: e for lab, e in row["err"].items() if isinstance(e, str) or e > 2e-2}
+    if bad:
+        print(f"  errors / failures: {bad}", flush=True)
+    return row
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--qkv-only", action="store_true", help="only the qkv + RoPE kernels")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = [measure("gate/up", 5, SWEEP, g)]
+    rows = [measure_qkv(5, g), measure_qkv(8, g)]
+    if args.qkv_only:
+        return _write(args, rows)
+    rows.append(measure("gate/up", 5, SWEEP, g))
     # each form's three best launches at 5 rows, on the other projections and row counts
-    us = rows[0]["us"]
+    us = rows[-1]["us"]
     top = {form: sorted(((bn, w) for bn, w in launches if us.get(f"{form} bn{bn}/w{w}") is not None),
                         key=lambda bw: us[f"{form} bn{bw[0]}/w{bw[1]}"])[:3] for form, launches in SWEEP.items()}
     for name, t in (("gate/up", 2), ("gate/up", 8), ("qkv", 5), ("o", 5), ("down", 5)):
         rows.append(measure(name, t, top, g))
+    _write(args, rows)
+
+
+def _write(args, rows) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

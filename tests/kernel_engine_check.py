@@ -48,32 +48,40 @@ for spec, padded in ((False, True),) if QUICK else ((False, False), (False, True
 # the norm after attention folded into the o projection and the down projection (SwiGLU.norm_folds), which the
 # default model's verify steps take: this tiny model's steps take it only when told to; gate/up on cuBLAS, then on
 # the kernel that reads each weight block once for all rows (gemv_rows, each form), the o projection too; and that
-# kernel with the norm in its prologue instead (SPECSERVE_GEMV_ROWS_NORM=1, no fold)
+# kernel with the norm in its prologue instead (SPECSERVE_GEMV_ROWS_NORM=1 or 2, no fold); the qkv projection
+# with RoPE on the several-row kernel (SPECSERVE_QKV_ROWS, either norm mode)
+import specserve.kernels.qkv_rope as qkv_rope  # noqa: E402
 import specserve.models.layers as layers  # noqa: E402
 import specserve.models.llama as llama  # noqa: E402
 
-taken = {"gate/up": [], "o": [], "gate/up with its norm": []}
-rows_linear, rows_projection = layers.rows_linear, llama.rows_projection
+taken = {"gate/up": [], "o": [], "gate/up with its norm": [], "qkv": []}
+rows_linear, rows_projection, qkv_rows = layers.rows_linear, llama.rows_projection, qkv_rope._qkv_rows
 layers.rows_linear = lambda x, w: taken["gate/up"].append(layers.rows_takes(x, w)) or rows_linear(x, w)
 llama.rows_projection = lambda *a, **k: taken["o"].append(True) or rows_projection(*a, **k)
 layers.rows_projection = lambda *a, **k: taken["gate/up with its norm"].append(True) or rows_projection(*a, **k)
-# (gemv_rows setting, the norm before gate/up in that kernel's prologue instead of folded)
-for rows, norm_in in (("0", False), ("dot", False), ("dot", True)) if QUICK else (
-        ("0", False), ("dot", False), ("turn", False), ("bcast", False), ("dot", True), ("turn", True)):
+qkv_rope._qkv_rows = lambda *a, **k: taken["qkv"].append(True) or qkv_rows(*a, **k)
+# (gemv_rows setting, the norm before gate/up in that kernel's prologue instead of folded (2: applied after the
+# sums), the qkv setting)
+for rows, norm_in, qkv in (("0", 0, "0"), ("dot", 0, "exact,16,2"), ("dot", 2, "after,16,2")) if QUICK else (
+        ("0", 0, "0"), ("dot", 0, "0"), ("turn", 0, "0"), ("bcast", 0, "0"), ("dot", 1, "0"), ("turn", 1, "0"),
+        ("dot", 2, "exact,16,2"), ("dot", 0, "after,16,4")):
     os.environ["SPECSERVE_GEMV_ROWS"] = os.environ["SPECSERVE_GEMV_ROWS_O"] = rows
-    os.environ["SPECSERVE_GEMV_ROWS_NORM"] = str(int(norm_in))
+    os.environ["SPECSERVE_GEMV_ROWS_NORM"] = str(norm_in)
     os.environ["SPECSERVE_NORM_FOLD"] = "1" if norm_in else "always"
+    os.environ["SPECSERVE_QKV_ROWS"] = qkv
     for calls in taken.values():
         calls.clear()
     same = run("triton", True, False) == ref  # quick: also the packed speculative layout's only runs
     ran = taken["gate/up with its norm"] if norm_in else (any(taken["gate/up"]) and taken["o"])
-    if rows != "0" and not ran:
-        print(f"the several-row kernel did not run as asked: {({k: sum(v) for k, v in taken.items()})}")
+    if (rows != "0" and not ran) or (qkv != "0") != bool(taken["qkv"]):
+        print(f"the several-row kernels did not run as asked: {({k: sum(v) for k, v in taken.items()})}")
         same = False
     bad += not same
     print(f"triton spec=True padded=False gate/up and o rows={rows}, "
-          f"{'norm in its prologue' if norm_in else 'norm folded'}: {'ok' if same else 'DIFFERENT'}", flush=True)
-for var in ("SPECSERVE_NORM_FOLD", "SPECSERVE_GEMV_ROWS", "SPECSERVE_GEMV_ROWS_O", "SPECSERVE_GEMV_ROWS_NORM"):
+          f"{'norm in its prologue' if norm_in else 'norm folded'} ({norm_in}), qkv {qkv}: "
+          f"{'ok' if same else 'DIFFERENT'}", flush=True)
+for var in ("SPECSERVE_NORM_FOLD", "SPECSERVE_GEMV_ROWS", "SPECSERVE_GEMV_ROWS_O", "SPECSERVE_GEMV_ROWS_NORM",
+            "SPECSERVE_QKV_ROWS"):
     del os.environ[var]
 same = run("triton", True, True, "e3v") == ref
 bad += not same

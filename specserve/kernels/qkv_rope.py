@@ -14,19 +14,21 @@ import os
 
 import torch
 
-from specserve.kernels import gemv, kernel_failed, kernel_usable
+from specserve.kernels import gemv, gemv_rows, kernel_failed, kernel_usable
 from specserve.kernels.pdl import kernel_args
 
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
 # Steps of several rows take this many times the pairs per program of one row (``gemv.WIDE``'s idea for this
 # kernel: a verify step's programs are 1 + D times a decode step's); 1 keeps one row's launch (measurements)
 WIDE = 1 << (max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1"))).bit_length() - 1)  # a power of two
+ROWS_DEFAULT = "0"  # steps of several rows on ``_qkv_rows_kernel`` (``rows_setting``): off until measured
 
 try:
     import triton
     import triton.language as tl
 
     from specserve.kernels.gemv import _gemv_dot, _gemv_prologue, _gemv_weights
+    from specserve.kernels.gemv_rows import _rows_add_norm
     from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
@@ -49,6 +51,12 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or not gemv._fusable(x, weight, *rows)):
         return None
     t = x.shape[0]
+    if prologue in (gemv.NONE, gemv.NORM, gemv.ADD_NORM) and rows_setting() is not None \
+            and gemv_rows.MIN_ROWS <= t <= gemv.MAX_ROWS and kernel_usable("qkv_rows"):
+        fused = _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache,
+                          k_cache, v_cache, slot_mapping, hq, hkv, d)
+        if fused is not None:
+            return fused
     # pairs per program: a power of two dividing D/2, from x's width (EMBED_CAT: one half of the input row); the
     # same for any number of rows unless WIDE > 1
     hb = max(1, min(gemv.block_n(n, kx, 1) // 2 * (WIDE if t > 1 else 1), half & -half))
@@ -70,6 +78,52 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             WFIRST=gemv.WFIRST, **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rope", e)
+        return None
+    return q_out, res_out
+
+
+def rows_setting() -> tuple[int, int, int] | None:
+    """``SPECSERVE_QKV_ROWS`` = ``NORM,PAIRS,WARPS``: a step of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows
+    runs ``_qkv_rows_kernel`` (each weight block read once for all rows, as ``gemv_rows``' ``dot`` form), its
+    norm rounded as the one-row kernel's (NORM ``exact``) or applied to the sums (``after``: the products need
+    not wait for the rows' reduction), PAIRS pairs of features per program, WARPS warps; 0: off (the default,
+    until measured) -> (1 exact / 2 after, pairs, warps) or None."""
+    spec = os.environ.get("SPECSERVE_QKV_ROWS", ROWS_DEFAULT)
+    if spec in ("", "0"):
+        return None
+    parts = spec.split(",")
+    if parts[0] not in ("exact", "after") or len(parts) > 3:
+        raise ValueError(f"SPECSERVE_QKV_ROWS={spec!r}: exact|after[,PAIRS[,WARPS]] or 0")
+    pairs = int(parts[1]) if len(parts) > 1 else 16
+    warps = int(parts[2]) if len(parts) > 2 else 2
+    return (1 if parts[0] == "exact" else 2), pairs, warps
+
+
+def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache, k_cache,
+              v_cache, slot_mapping, hq, hkv, d, setting=None):
+    """``qkv_rope_cache`` for a step of several rows on ``_qkv_rows_kernel``, or None where it does not apply
+    (``setting``: (norm mode, pairs, warps), else ``rows_setting()``)."""
+    norm_mode, hb, warps = setting or rows_setting()
+    t, k, half = x.shape[0], weight.shape[1], d // 2
+    hb = min(hb, half)
+    if half % hb or hb < 16 or weight.dtype != x.dtype:  # tl.dot's N is at least 16
+        return None
+    k1, k2 = gemv.k_blocks(k)
+    if 0 < k2 < 16:  # tl.dot's K is at least 16: one block
+        k1, k2 = triton.next_power_of_2(k), 0
+    q_out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
+    try:
+        _qkv_rows_kernel[((hq + 2 * hkv) * (half // hb),)](
+            x, residual if residual is not None else x, res_out if res_out is not None else q_out,
+            norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
+            q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps, x.stride(0),
+            residual.stride(0) if residual is not None else 0, weight.stride(0), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], T=t, TP=16, K=k, K1=k1,
+            K2=k2, PROLOGUE=prologue, NORM_MODE=norm_mode, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq,
+            HKV=hkv, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **kernel_args(x))
+    except Exception as e:  # not built here (first launch; never inside a capture)
+        kernel_failed("qkv_rows", e)
         return None
     return q_out, res_out
 
@@ -145,3 +199,70 @@ if triton is not None:
                 ko = KC + base + (head - HQ) * sc_h
                 tl.store(ko, r1.to(KC.dtype.element_ty))
                 tl.store(ko + HALF, r2.to(KC.dtype.element_ty))
+
+    @triton.jit
+    def _qkv_rows_kernel(X, RES, RES_OUT, NW, W, BIAS, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r, s_w, sc_blk,
+                         sc_slot, sc_h, s_cos, BS, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
+                         K1: tl.constexpr, K2: tl.constexpr, PROLOGUE: tl.constexpr, NORM_MODE: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr,
+                         HKV: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+        """``_qkv_rope_kernel``'s outputs for all T rows (padded to TP) at once: a program owns HB pairs of one
+        head and forms both halves' sums with ``tl.dot`` (float32 accumulation), each weight block loaded once,
+        before the predecessor completes. PROLOGUE NORM / ADD_NORM: ``_rows_add_norm`` (NORM_MODE 2: 1 / rms
+        applied to the sums)."""
+        pdl_begin(PDL)
+        pid = tl.program_id(0)
+        head = pid // (HALF // HB)  # q heads, then k heads, then v heads
+        c = (pid % (HALF // HB)) * HB + tl.arange(0, HB)  # [HB] the pairs' first features within the half
+        nm = c < HALF
+        # the block's weight rows interleaved, (d, d + HALF) for each pair: one dot of 2 HB features, whose
+        # columns split back into the two halves (two dots of HB each held both weight blocks and a copy of
+        # the rows per warp, and spilled)
+        j = tl.arange(0, 2 * HB)
+        cols = head * 2 * HALF + (pid % (HALF // HB)) * HB + j // 2 + (j % 2) * HALF  # [2 HB]
+        w1, w2 = _gemv_weights(W, cols, cols >= 0, s_w, K, K1, K2)  # [2 HB, K1], [2 HB, K2]
+        bias = tl.zeros([2 * HB], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + cols).to(tl.float32)
+        pdl_wait(PDL)
+        rows = tl.arange(0, TP)[:, None]  # [TP, 1]; rows past T read as zeros and are not stored
+        rm = rows < T
+        ks1 = tl.arange(0, K1)
+        ks2 = ks1
+        if K2 > 0:
+            ks2 = K1 + tl.arange(0, K2)
+        x1 = tl.load(X + rows * s_x + ks1[None, :], mask=rm & (ks1 < K)[None, :], other=0.0)
+        x2 = x1
+        if K2 > 0:
+            x2 = tl.load(X + rows * s_x + ks2[None, :], mask=rm & (ks2 < K)[None, :], other=0.0)
+        rstd = tl.full([TP, 1], 1.0, tl.float32)
+        if PROLOGUE > 0:
+            x1, x2, rstd = _rows_add_norm(x1, x2, RES, RES_OUT, NW, rows, ks1, ks2, eps, s_r, T, K, K2,
+                                          NORM_MODE == 2, PROLOGUE == 2)
+        acc = tl.dot(x1, tl.trans(w1), input_precision=PREC)  # [TP, 2 HB] float32
+        if K2 > 0:
+            acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PREC)
+        # the projection's outputs as its own kernel would store them, then the halves apart: [TP, HB] each
+        acc = (acc * rstd + bias[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        p1, p2 = tl.split(tl.reshape(acc, [TP, HB, 2]))
+        om = rm & nm[None, :]
+        slot = tl.load(SLOT + rows, mask=rm, other=0)
+        base = (slot // BS) * sc_blk + (slot % BS) * sc_slot + c[None, :]  # [TP, HB]
+        if head >= HQ + HKV:  # v: to the cache unrotated
+            vo = VC + base + (head - HQ - HKV) * sc_h
+            tl.store(vo, p1.to(VC.dtype.element_ty), mask=om)
+            tl.store(vo + HALF, p2.to(VC.dtype.element_ty), mask=om)
+        else:
+            pos = tl.load(POS + rows, mask=rm, other=0)
+            cos = tl.load(COS + pos * s_cos + c[None, :], mask=om, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+            sin = tl.load(SIN + pos * s_cos + c[None, :], mask=om, other=0.0).to(X.dtype.element_ty).to(tl.float32)
+            r1 = p1 * cos - p2 * sin
+            r2 = p2 * cos + p1 * sin
+            if head < HQ:
+                qo = QO + rows * (HQ * 2 * HALF) + head * (2 * HALF) + c[None, :]
+                tl.store(qo, r1.to(QO.dtype.element_ty), mask=om)
+                tl.store(qo + HALF, r2.to(QO.dtype.element_ty), mask=om)
+            else:
+                ko = KC + base + (head - HQ) * sc_h
+                tl.store(ko, r1.to(KC.dtype.element_ty), mask=om)
+                tl.store(ko + HALF, r2.to(KC.dtype.element_ty), mask=om)
