@@ -70,11 +70,6 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
                 return rows_projection(x, w, form="dot", block=bn, num_warps=warps, residual=res, norm_in=nw,
                                        eps=EPS)[0]
             time(f"dot+add+norm bn{bn}/w{warps}", fn)
-
-            def fn_after(w, bn=bn, warps=warps):
-                return rows_projection(x, w, form="dot", block=bn, num_warps=warps, residual=res, norm_in=nw,
-                                       eps=EPS, after=True)[0]
-            time(f"dot+add+norm after bn{bn}/w{warps}", fn_after)
     ok = {lab: us for lab, us in row["us"].items() if us is not None}
     best = min(ok, key=ok.get)
     print(f"{name} t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(), key=lambda kv: kv[1]))
@@ -87,8 +82,8 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
 
 def measure_qkv(t: int, g) -> dict:
     """The qkv projection with its residual add + norm prologue, RoPE and the cache write: one program per row
-    (``qkv_rope_cache``'s kernel, as a verify step runs it now) against the several-row kernel in each norm
-    mode and a sweep of launches (pairs per program / warps)."""
+    (``qkv_rope_cache``'s kernel with SPECSERVE_QKV_ROWS=0) against the several-row kernel in a sweep of
+    launches (pairs per program / warps)."""
     hq, hkv, d, bs = 9, 3, 64, 16
     n, k = SHAPES["qkv"]
     ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -107,20 +102,18 @@ def measure_qkv(t: int, g) -> dict:
         ref = qkv_rope_cache(x, ws[0], None, ADD_NORM, res, nw, EPS, *common)[0]
         row["us"]["per-row"] = round(graph_us(lambda: [qkv_rope_cache(x, w, None, ADD_NORM, res, nw, EPS, *common)
                                                        for w in ws], LAYERS), 2)
-    for mode, name in ((1, "exact"), (2, "after")):
-        for hb, warps in ((16, 1), (16, 2), (16, 4), (32, 2), (32, 4)):
-            label = f"rows {name} hb{hb}/w{warps}"
-            try:
-                out = _qkv_rows(x, ws[0], None, ADD_NORM, res, nw, EPS, *common, setting=(mode, hb, warps))
-                row["err"][label] = rel_err(out[0], ref)
-                row["us"][label] = round(graph_us(lambda: [_qkv_rows(x, w, None, ADD_NORM, res, nw, EPS, *common,
-                                                                     setting=(mode, hb, warps)) for w in ws],
-                                                  LAYERS), 2)
-            except Exception as e:
-                row["us"][label], row["err"][label] = None, f"{type(e).__name__}: {str(e)[:120]}"
+    for hb, warps in ((16, 2), (16, 4), (16, 8), (32, 4), (32, 8)):
+        label = f"rows hb{hb}/w{warps}"
+        try:
+            out = _qkv_rows(x, ws[0], None, ADD_NORM, res, nw, EPS, *common, setting=(hb, warps))
+            row["err"][label] = rel_err(out[0], ref)
+            row["us"][label] = round(graph_us(lambda: [_qkv_rows(x, w, None, ADD_NORM, res, nw, EPS, *common,
+                                                                 setting=(hb, warps)) for w in ws], LAYERS), 2)
+        except Exception as e:
+            row["us"][label], row["err"][label] = None, f"{type(e).__name__}: {str(e)[:120]}"
     ok = {lab: us for lab, us in row["us"].items() if us is not None}
-    print(f"qkv+rope add+norm t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(),
-                                                                                      key=lambda kv: kv[1])), flush=True)
+    ranked = sorted(ok.items(), key=lambda kv: kv[1])
+    print(f"qkv+rope add+norm t={t}: " + ", ".join(f"{lab} {us}" for lab, us in ranked), flush=True)
     bad = {lab: e for lab, e in row["err"].items() if isinstance(e, str) or e > 2e-2}
     if bad:
         print(f"  errors / failures: {bad}", flush=True)

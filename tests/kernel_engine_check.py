@@ -48,8 +48,8 @@ for spec, padded in ((False, True),) if QUICK else ((False, False), (False, True
 # the norm after attention folded into the o projection and the down projection (SwiGLU.norm_folds), which the
 # default model's verify steps take: this tiny model's steps take it only when told to; gate/up on cuBLAS, then on
 # the kernel that reads each weight block once for all rows (gemv_rows, each form), the o projection too; and that
-# kernel with the norm in its prologue instead (SPECSERVE_GEMV_ROWS_NORM=1 or 2, no fold); the qkv projection
-# with RoPE on the several-row kernel (SPECSERVE_QKV_ROWS, either norm mode)
+# kernel with the norm in its prologue instead (SPECSERVE_GEMV_ROWS_NORM=1, no fold); the qkv projection with
+# RoPE on the several-row kernel (SPECSERVE_QKV_ROWS) or one program per row
 import specserve.kernels.qkv_rope as qkv_rope  # noqa: E402
 import specserve.models.layers as layers  # noqa: E402
 import specserve.models.llama as llama  # noqa: E402
@@ -60,13 +60,12 @@ layers.rows_linear = lambda x, w: taken["gate/up"].append(layers.rows_takes(x, w
 llama.rows_projection = lambda *a, **k: taken["o"].append(True) or rows_projection(*a, **k)
 layers.rows_projection = lambda *a, **k: taken["gate/up with its norm"].append(True) or rows_projection(*a, **k)
 qkv_rope._qkv_rows = lambda *a, **k: taken["qkv"].append(True) or qkv_rows(*a, **k)
-# (gemv_rows setting, the norm before gate/up in that kernel's prologue instead of folded (2: applied after the
-# sums), the qkv setting)
-for rows, norm_in, qkv in (("0", 0, "0"), ("dot", 0, "exact,16,2"), ("dot", 2, "after,16,2")) if QUICK else (
-        ("0", 0, "0"), ("dot", 0, "0"), ("turn", 0, "0"), ("bcast", 0, "0"), ("dot", 1, "0"), ("turn", 1, "0"),
-        ("dot", 2, "exact,16,2"), ("dot", 0, "after,16,4")):
+# (gemv_rows setting, the norm before gate/up in that kernel's prologue instead of folded, the qkv setting)
+for rows, norm_in, qkv in (("0", False, "0"), ("dot", False, "16,4"), ("dot", True, "16,2")) if QUICK else (
+        ("0", False, "0"), ("dot", False, "0"), ("turn", False, "0"), ("bcast", False, "0"), ("dot", True, "0"),
+        ("turn", True, "16,4"), ("dot", False, "16,4")):
     os.environ["SPECSERVE_GEMV_ROWS"] = os.environ["SPECSERVE_GEMV_ROWS_O"] = rows
-    os.environ["SPECSERVE_GEMV_ROWS_NORM"] = str(norm_in)
+    os.environ["SPECSERVE_GEMV_ROWS_NORM"] = str(int(norm_in))
     os.environ["SPECSERVE_NORM_FOLD"] = "1" if norm_in else "always"
     os.environ["SPECSERVE_QKV_ROWS"] = qkv
     for calls in taken.values():
@@ -78,7 +77,7 @@ for rows, norm_in, qkv in (("0", 0, "0"), ("dot", 0, "exact,16,2"), ("dot", 2, "
         same = False
     bad += not same
     print(f"triton spec=True padded=False gate/up and o rows={rows}, "
-          f"{'norm in its prologue' if norm_in else 'norm folded'} ({norm_in}), qkv {qkv}: "
+          f"{'norm in its prologue' if norm_in else 'norm folded'}, qkv rows {qkv}: "
           f"{'ok' if same else 'DIFFERENT'}", flush=True)
 for var in ("SPECSERVE_NORM_FOLD", "SPECSERVE_GEMV_ROWS", "SPECSERVE_GEMV_ROWS_O", "SPECSERVE_GEMV_ROWS_NORM",
             "SPECSERVE_QKV_ROWS"):

@@ -4,8 +4,6 @@ attention merge folded into the o projection. Part of ``kernel_checks.CHECKS``."
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from check_util import QUICK, _close, env, kernel_check
@@ -44,53 +42,54 @@ def check_qkv_rope(device, dtype):
     pos = torch.tensor([0, 5, 17, 40, 99], device=device)
     slots = torch.tensor([16, 21, 33, 79, 64], device=device)
     wfirst = gemv.WFIRST
-    try:
-        os.environ["SPECSERVE_QKV_ROWS"] = "0"  # one program per row here; check_qkv_rows has the other kernel
-        for first in (True, False):
-            gemv.WFIRST = first
-            for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, bias if first else None), (EMBED_CAT, None)):
-                what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
-                caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
+    # one program per row here (check_qkv_rows has the several-row kernel)
+    with env("SPECSERVE_QKV_ROWS", "0"):
+        try:
+            for first in (True, False):
+                gemv.WFIRST = first
+                for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, bias if first else None), (EMBED_CAT, None)):
+                    what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
+                    caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
 
-                def args(rows):
-                    return (x[rows], w2 if pro == EMBED_CAT else w, b, pro, res[rows] if pro == ADD_NORM else None,
-                            None if pro == NONE else nw, 1e-5)
+                    def args(rows):
+                        return (x[rows], w2 if pro == EMBED_CAT else w, b, pro, res[rows] if pro == ADD_NORM else None,
+                                None if pro == NONE else nw, 1e-5)
 
-                def embed(rows):  # a draft head's input: a token's embedding and a hidden state, each normed
-                    return dict(embed=(ids[rows], table, nw_e)) if pro == EMBED_CAT else {}
-                got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d,
-                                     **embed(slice(None)))
-                assert got is not None, "the check would compare the reference with itself"
-                if pro == EMBED_CAT:
-                    qkv, r = fused_linear(embed_norm_cat(ids, table, nw_e, x, nw, 1e-5), w2)
-                else:
-                    qkv, r = fused_linear(*args(slice(None)))
-                q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                ref_q = rope_and_cache(pos, q.view(5, hq, d), kk.view(5, hkv, d), v.view(5, hkv, d), cos, sin,
-                                       *caches[1], slots)
-                _close(got[0], ref_q, dtype, what + ": q")
-                _close(caches[0], caches[1], dtype, what + ": cache")
-                assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
-                for rows in (slice(2, 3), slice(1, 3)):  # the same row in a step of 1 and of 2 rows
-                    caches[2].zero_()
-                    part = qkv_rope_cache(*args(rows), pos[rows], cos, sin, *caches[2], slots[rows], hq, hkv, d,
-                                          **embed(rows))
-                    assert torch.equal(part[0][-1], got[0][2]), what + f": row 2 in a step of {part[0].shape[0]}"
-                    kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
-                    assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), \
-                        what + f": its cache entries in a step of {part[0].shape[0]}"
-    finally:
-        gemv.WFIRST = wfirst
-        os.environ.pop("SPECSERVE_QKV_ROWS", None)
+                    def embed(rows):  # a draft head's input: a token's embedding and a hidden state, each normed
+                        return dict(embed=(ids[rows], table, nw_e)) if pro == EMBED_CAT else {}
+                    got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d,
+                                         **embed(slice(None)))
+                    assert got is not None, "the check would compare the reference with itself"
+                    if pro == EMBED_CAT:
+                        qkv, r = fused_linear(embed_norm_cat(ids, table, nw_e, x, nw, 1e-5), w2)
+                    else:
+                        qkv, r = fused_linear(*args(slice(None)))
+                    q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                    ref_q = rope_and_cache(pos, q.view(5, hq, d), kk.view(5, hkv, d), v.view(5, hkv, d), cos, sin,
+                                           *caches[1], slots)
+                    _close(got[0], ref_q, dtype, what + ": q")
+                    _close(caches[0], caches[1], dtype, what + ": cache")
+                    assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), \
+                        what + ": residual"
+                    for rows in (slice(2, 3), slice(1, 3)):  # the same row in a step of 1 and of 2 rows
+                        caches[2].zero_()
+                        part = qkv_rope_cache(*args(rows), pos[rows], cos, sin, *caches[2], slots[rows], hq, hkv, d,
+                                              **embed(rows))
+                        assert torch.equal(part[0][-1], got[0][2]), what + f": row 2 in a step of {part[0].shape[0]}"
+                        kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
+                        assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), \
+                            what + f": its cache entries in a step of {part[0].shape[0]}"
+        finally:
+            gemv.WFIRST = wfirst
 
 
 @kernel_check
 def check_qkv_rows(device, dtype):
     """The several-row qkv + RoPE kernel (each weight block read once for all rows) against the projection
-    and then the rope kernel, for prologues none / norm / residual add + norm, with the norm rounded as the
-    one-row kernel's or applied after the sums, with and without a bias, 4, 5 and 8 rows (nothing written to
-    other cache slots, the new residual exact); and the switch: ``SPECSERVE_QKV_ROWS`` on, a 5-row step takes
-    it with the launch named, a 1-row step keeps the one-row kernel."""
+    and then the rope kernel, for prologues none / norm / residual add + norm, with and without a bias, 4, 5
+    and 8 rows, two launches (nothing written to other cache slots, the new residual exact); and the switch:
+    ``SPECSERVE_QKV_ROWS`` on, a 5-row step takes it with the launch named, a 1-row step keeps the one-row
+    kernel."""
     g = torch.Generator().manual_seed(14)
     hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
     n = (hq + 2 * hkv) * d
@@ -104,14 +103,14 @@ def check_qkv_rows(device, dtype):
     res8 = torch.randn(8, k, generator=g).to(device, dtype)
     pos8 = torch.tensor([0, 5, 17, 40, 99, 3, 64, 1], device=device)
     slots8 = torch.tensor([16, 21, 33, 79, 64, 2, 50, 70], device=device)
-    cases = [(NONE, None, 1, 5), (NORM, bias, 1, 5), (ADD_NORM, None, 1, 5), (NORM, None, 2, 4),
-             (ADD_NORM, bias, 2, 5), (ADD_NORM, None, 2, 8)]
-    for pro, b, mode, t in cases:
-        what = f"qkv rows prologue={pro} bias={b is not None} norm mode={mode} t={t}"
+    cases = [(NONE, None, 2, 5), (NORM, bias, 4, 5), (ADD_NORM, None, 4, 5), (NORM, None, 2, 4),
+             (ADD_NORM, bias, 2, 5), (ADD_NORM, None, 4, 8)]
+    for pro, b, warps, t in cases:
+        what = f"qkv rows prologue={pro} bias={b is not None} warps={warps} t={t}"
         x, res, pos, slots = x8[:t], res8[:t], pos8[:t], slots8[:t]
         args = (x, w, b, pro, res if pro == ADD_NORM else None, None if pro == NONE else nw, 1e-5)
         caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(2)]
-        got = _qkv_rows(*args, pos, cos, sin, *caches[0], slots, hq, hkv, d, setting=(mode, 16, 2))
+        got = _qkv_rows(*args, pos, cos, sin, *caches[0], slots, hq, hkv, d, setting=(16, warps))
         assert got is not None, what + ": the kernel did not run"
         qkv, r = fused_linear(*args)
         q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -125,11 +124,11 @@ def check_qkv_rows(device, dtype):
         assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
     args = (x8[:5], w, None, ADD_NORM, res8[:5], nw, 1e-5)
     cache = torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device)
-    with env("SPECSERVE_QKV_ROWS", "after,16,2"):
+    with env("SPECSERVE_QKV_ROWS", "16,2"):
         got = qkv_rope_cache(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d)
         one = qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin, *cache, slots8[:1], hq, hkv,
                              d)
-    want = _qkv_rows(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d, setting=(2, 16, 2))
+    want = _qkv_rows(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d, setting=(16, 2))
     assert torch.equal(got[0], want[0]), "SPECSERVE_QKV_ROWS on: a 5-row step on the several-row kernel"
     with env("SPECSERVE_QKV_ROWS", "0"):
         assert torch.equal(one[0], qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin,
@@ -147,59 +146,6 @@ def check_gemv(device, dtype):
                 _check_gemv(device, dtype)
     finally:
         gemv.WFIRST = wfirst
-        os.environ.pop("SPECSERVE_QKV_ROWS", None)
-
-
-@kernel_check
-def check_qkv_rows(device, dtype):
-    """The several-row qkv + RoPE kernel (each weight block read once for all rows) against the projection
-    and then the rope kernel, for prologues none / norm / residual add + norm, with the norm rounded as the
-    one-row kernel's or applied after the sums, with and without a bias, 4, 5 and 8 rows (nothing written to
-    other cache slots, the new residual exact); and the switch: ``SPECSERVE_QKV_ROWS`` on, a 5-row step takes
-    it with the launch named, a 1-row step keeps the one-row kernel."""
-    g = torch.Generator().manual_seed(14)
-    hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
-    n = (hq + 2 * hkv) * d
-    w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
-    bias = torch.randn(n, generator=g).to(device, dtype)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(100).float(), inv)
-    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
-    x8 = torch.randn(8, k + 8, generator=g).to(device, dtype)[:, :k]
-    res8 = torch.randn(8, k, generator=g).to(device, dtype)
-    pos8 = torch.tensor([0, 5, 17, 40, 99, 3, 64, 1], device=device)
-    slots8 = torch.tensor([16, 21, 33, 79, 64, 2, 50, 70], device=device)
-    cases = [(NONE, None, 1, 5), (NORM, bias, 1, 5), (ADD_NORM, None, 1, 5), (NORM, None, 2, 4),
-             (ADD_NORM, bias, 2, 5), (ADD_NORM, None, 2, 8)]
-    for pro, b, mode, t in cases:
-        what = f"qkv rows prologue={pro} bias={b is not None} norm mode={mode} t={t}"
-        x, res, pos, slots = x8[:t], res8[:t], pos8[:t], slots8[:t]
-        args = (x, w, b, pro, res if pro == ADD_NORM else None, None if pro == NONE else nw, 1e-5)
-        caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(2)]
-        got = _qkv_rows(*args, pos, cos, sin, *caches[0], slots, hq, hkv, d, setting=(mode, 16, 2))
-        assert got is not None, what + ": the kernel did not run"
-        qkv, r = fused_linear(*args)
-        q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        ref_q = rope_and_cache(pos, q.view(t, hq, d), kk.view(t, hkv, d), v.view(t, hkv, d), cos, sin, *caches[1],
-                               slots)
-        _close(got[0], ref_q, dtype, what + ": q")
-        _close(caches[0], caches[1], dtype, what + ": cache")
-        written = torch.zeros(blocks * bs, dtype=torch.bool, device=device)
-        written[slots] = True
-        assert not caches[0].view(2, blocks * bs, hkv, d)[:, ~written].any(), what + ": a slot outside the step"
-        assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
-    args = (x8[:5], w, None, ADD_NORM, res8[:5], nw, 1e-5)
-    cache = torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device)
-    with env("SPECSERVE_QKV_ROWS", "after,16,2"):
-        got = qkv_rope_cache(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d)
-        one = qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin, *cache, slots8[:1], hq, hkv,
-                             d)
-    want = _qkv_rows(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d, setting=(2, 16, 2))
-    assert torch.equal(got[0], want[0]), "SPECSERVE_QKV_ROWS on: a 5-row step on the several-row kernel"
-    with env("SPECSERVE_QKV_ROWS", "0"):
-        assert torch.equal(one[0], qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin,
-                                                  *cache, slots8[:1], hq, hkv, d)[0]), "a 1-row step: one-row kernel"
 
 
 @kernel_check
@@ -327,11 +273,6 @@ def check_gemv_rows(device, dtype):
                     got, r = rows_projection(x, w, bias, form=form, residual=res, norm_in=nw_k, eps=1e-5, **launch)
                     _close(got, want_n, dtype, what + ": add + norm prologue")
                     assert torch.equal(r, want_r), what + ": add + norm prologue, the new residual"
-                    if form != "turn":  # 1 / rms applied to the sums
-                        got, r = rows_projection(x, w, bias, form=form, residual=res, norm_in=nw_k, eps=1e-5,
-                                                 after=True, **launch)
-                        _close(got, want_n, dtype, what + ": add + norm prologue, norm after")
-                        assert torch.equal(r, want_r), what + ": norm after, the new residual"
     x = torch.randn(5, k, generator=g).to(device, dtype)
     with env("SPECSERVE_GEMV_ROWS", "turn,8,2"):
         assert rows_takes(x, w) and not rows_takes(x[:1], w)

@@ -22,8 +22,10 @@ then adds the stream and writes it times the next norm's weight in its epilogue 
 a step whose attention split its keys keeps ``gemv.merged_linear``: merging a [16, K] tile of rows in a ``dot``
 program spilled its registers, a verify step of 13.6 ms). ``SPECSERVE_GEMV_ROWS`` = ``FORM[,BLOCK_N[,WARPS]]``
 sets the gate/up launch (0: off), ``SPECSERVE_GEMV_ROWS_O`` (same spelling) the o projection's.
-``SPECSERVE_GEMV_ROWS_NORM=1`` (off, not yet measured) gives gate/up the residual add and RMSNorm in its prologue
-instead, as ``gemv``'s ADD_NORM, so that nothing folds.
+``SPECSERVE_GEMV_ROWS_NORM=1`` (off) gives gate/up the residual add and RMSNorm in its prologue instead, as
+``gemv``'s ADD_NORM, so that nothing folds: measured slower (a [16, K] tile normed in registers before the
+``dot``: 3.6-3.8 µs a call against 2.3, a verify layer 22.2 against 19.1 µs). The qkv + RoPE kernel of several
+rows (``qkv_rope._qkv_rows_kernel``) takes that prologue, its own cost being the reason it exists.
 """
 
 from __future__ import annotations
@@ -97,24 +99,20 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, form: str | None = None, 
     return F.linear(x, weight) if out is None else out[0]
 
 
-def rows_norm() -> int:
-    """``SPECSERVE_GEMV_ROWS_NORM``: 1, gate/up on this kernel takes the norm before it (and the residual add) in
-    its prologue instead of folding it into the o and down projections; 2, the same with 1 / rms applied to the
-    sums (``rows_projection``'s ``after``); 0 (the default), the fold."""
-    mode = os.environ.get("SPECSERVE_GEMV_ROWS_NORM", "0")
-    if mode not in ("0", "1", "2"):
-        raise ValueError(f"SPECSERVE_GEMV_ROWS_NORM={mode!r}: 0, 1 or 2")
-    return int(mode)
+def rows_norm() -> bool:
+    """``SPECSERVE_GEMV_ROWS_NORM=1``: gate/up on this kernel takes the norm before it (and the residual add) in
+    its prologue instead of folding it into the o and down projections (off: measured slower, a verify layer
+    22.2 against 19.1 µs on the H200, docs/BENCHMARKS.md)."""
+    return os.environ.get("SPECSERVE_GEMV_ROWS_NORM", "0") == "1"
 
 
 def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, norm_weight=None, o: bool = False,
                     form: str | None = None, block: int | None = None, num_warps: int | None = None,
-                    residual=None, norm_in=None, eps: float = 0.0, after: bool = False):
+                    residual=None, norm_in=None, eps: float = 0.0):
     """x [T, K] -> (x @ W.T + b (+ add) [T, N], that times ``norm_weight`` [N] or None), rounded as
     ``gemv.linear_add_scaled`` rounds; with ``residual`` [T, K] and ``norm_in`` [K]: of RMSNorm(x + residual)
-    instead, rounded as ``gemv``'s ADD_NORM prologue (``after``, forms other than ``turn``: the sums of
-    (x + residual) times the norm's weight, scaled by 1 / rms after), and the second value is x + residual. The
-    launch is the setting's (``o``: the o projection's) unless ``form`` is given. None where the kernel does not
+    instead, rounded as ``gemv``'s ADD_NORM prologue, and the second value is x + residual. The launch is the
+    setting's (``o``: the o projection's) unless ``form`` is given. None where the kernel does not
     build here (the caller runs its own path)."""
     if form is None:
         form, bn, warps = setting(o)
@@ -135,7 +133,7 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
             out2 if out2 is not None else out, norm_weight if norm_weight is not None else weight,
             residual if norm else x, res_out if norm else out, norm_in if norm else weight, eps,
             residual.stride(0) if norm else 0,
-            n, x.stride(0), weight.stride(0), add.stride(0) if add is not None else 0, NORM_IN=(2 if after and form != "turn" else 1) if norm else 0, T=t,
+            n, x.stride(0), weight.stride(0), add.stride(0) if add is not None else 0, NORM_IN=norm, T=t,
             TP=triton.next_power_of_2(t) if form == "bcast" else max(16, triton.next_power_of_2(t)),
             K=k, K1=k1, K2=k2, BLOCK_N=bn, FORM=FORMS[form], PREC="ieee" if x.dtype == torch.float32 else "tf32",
             HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_OUT2=out2 is not None, num_warps=warps,
@@ -191,10 +189,8 @@ if triton is not None:
             x2 = x1
             if K2 > 0:
                 x2 = tl.load(X + rows * s_x + ks2[None, :], mask=(rows < T) & (ks2 < K)[None, :], other=0.0)
-            rstd = tl.full([TP, 1], 1.0, tl.float32)
             if NORM_IN:
-                x1, x2, rstd = _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T, K, K2,
-                                              NORM_IN == 2)
+                x1, x2 = _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T, K, K2)
             if FORM == 1:
                 acc = tl.dot(x1, tl.trans(w1), input_precision=PREC)  # [TP, BLOCK_N] float32
                 if K2 > 0:
@@ -203,18 +199,15 @@ if triton is not None:
                 acc = tl.sum(x1.to(tl.float32)[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
                 if K2 > 0:
                     acc += tl.sum(x2.to(tl.float32)[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
-            acc = acc * rstd  # 1 but with NORM_IN == 2
             _rows_store(OUT, ADD, OUT2, rows, cols[None, :], (rows < T) & nm[None, :], acc, bias[None, :],
                         nw2[None, :], N, s_a, HAS_ADD, HAS_OUT2)
 
     @triton.jit
     def _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T: tl.constexpr, K: tl.constexpr,
-                       K2: tl.constexpr, AFTER: tl.constexpr, ADD: tl.constexpr = True):
-        """Rows [TP, K1] and [TP, K2] -> (RMSNorm(rows + residual) in their dtype, rounded as gemv's ADD_NORM
-        prologue (the sum in the rows' dtype, then ``_gemv_normed``), and 1 [TP, 1]); AFTER: ((rows + residual)
-        times the norm's weight, rounded to their dtype, and 1 / rms [TP, 1], which the caller applies to its
-        sums: the products need not wait for the rows' reduction). The sums are written by the first program.
-        Without ADD: the rows' norm alone (RES and RES_OUT unused)."""
+                       K2: tl.constexpr, ADD: tl.constexpr = True):
+        """Rows [TP, K1] and [TP, K2] -> RMSNorm(rows + residual) in their dtype, rounded as gemv's ADD_NORM
+        prologue (the sum in the rows' dtype, then ``_gemv_normed``); the sums written by the first program.
+        Without ADD: the rows' norm alone, as the NORM prologue (RES and RES_OUT unused)."""
         m1 = (rows < T) & (ks1 < K)[None, :]
         if ADD:
             x1 = x1 + tl.load(RES + rows * s_r + ks1[None, :], mask=m1, other=0.0)
@@ -229,18 +222,11 @@ if triton is not None:
                     tl.store(RES_OUT + rows * K + ks2[None, :], x2, mask=m2)
             ss += tl.sum(x2.to(tl.float32) * x2.to(tl.float32), axis=1, keep_dims=True)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-        if AFTER:
-            n1 = (x1.to(tl.float32) * tl.load(NWI + ks1, mask=ks1 < K, other=0.0).to(tl.float32)[None, :]).to(x1.dtype)
-            n2 = n1
-            if K2 > 0:
-                n2 = (x2.to(tl.float32) * tl.load(NWI + ks2, mask=ks2 < K, other=0.0).to(tl.float32)[None, :]
-                      ).to(x2.dtype)
-            return n1, n2, rstd
         n1 = _gemv_normed(x1, NWI, ks1[None, :], (ks1 < K)[None, :], rstd).to(x1.dtype)
         n2 = n1
         if K2 > 0:
             n2 = _gemv_normed(x2, NWI, ks2[None, :], (ks2 < K)[None, :], rstd).to(x2.dtype)
-        return n1, n2, tl.full(rstd.shape, 1.0, tl.float32)
+        return n1, n2
 
     @triton.jit
     def _rows_store(OUT, ADD, OUT2, t, cols, m, acc, bias, nw2, N, s_a, HAS_ADD: tl.constexpr,

@@ -21,7 +21,9 @@ EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from 
 # Steps of several rows take this many times the pairs per program of one row (``gemv.WIDE``'s idea for this
 # kernel: a verify step's programs are 1 + D times a decode step's); 1 keeps one row's launch (measurements)
 WIDE = 1 << (max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1"))).bit_length() - 1)  # a power of two
-ROWS_DEFAULT = "0"  # steps of several rows on ``_qkv_rows_kernel`` (``rows_setting``): off until measured
+# steps of several rows on ``_qkv_rows_kernel`` (``rows_setting``): 16 pairs per program, 4 warps (H200, a 5-row
+# step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72; docs/BENCHMARKS.md)
+ROWS_DEFAULT = "16,4"
 
 try:
     import triton
@@ -82,28 +84,25 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
     return q_out, res_out
 
 
-def rows_setting() -> tuple[int, int, int] | None:
-    """``SPECSERVE_QKV_ROWS`` = ``NORM,PAIRS,WARPS``: a step of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows
-    runs ``_qkv_rows_kernel`` (each weight block read once for all rows, as ``gemv_rows``' ``dot`` form), its
-    norm rounded as the one-row kernel's (NORM ``exact``) or applied to the sums (``after``: the products need
-    not wait for the rows' reduction), PAIRS pairs of features per program, WARPS warps; 0: off (the default,
-    until measured) -> (1 exact / 2 after, pairs, warps) or None."""
+def rows_setting() -> tuple[int, int] | None:
+    """``SPECSERVE_QKV_ROWS`` = ``PAIRS,WARPS``: a step of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows runs
+    ``_qkv_rows_kernel`` (each weight block read once for all rows, as ``gemv_rows``' ``dot`` form) with PAIRS
+    pairs of features per program and WARPS warps; 0: one program per row, as a decode step -> (pairs, warps)
+    or None. Read at each call (tests switch it)."""
     spec = os.environ.get("SPECSERVE_QKV_ROWS", ROWS_DEFAULT)
     if spec in ("", "0"):
         return None
     parts = spec.split(",")
-    if parts[0] not in ("exact", "after") or len(parts) > 3:
-        raise ValueError(f"SPECSERVE_QKV_ROWS={spec!r}: exact|after[,PAIRS[,WARPS]] or 0")
-    pairs = int(parts[1]) if len(parts) > 1 else 16
-    warps = int(parts[2]) if len(parts) > 2 else 2
-    return (1 if parts[0] == "exact" else 2), pairs, warps
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"SPECSERVE_QKV_ROWS={spec!r}: PAIRS,WARPS (e.g. 16,4) or 0")
+    return int(parts[0]), int(parts[1])
 
 
 def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache, k_cache,
               v_cache, slot_mapping, hq, hkv, d, setting=None):
     """``qkv_rope_cache`` for a step of several rows on ``_qkv_rows_kernel``, or None where it does not apply
-    (``setting``: (norm mode, pairs, warps), else ``rows_setting()``)."""
-    norm_mode, hb, warps = setting or rows_setting()
+    (``setting``: (pairs, warps), else ``rows_setting()``)."""
+    hb, warps = setting or rows_setting()
     t, k, half = x.shape[0], weight.shape[1], d // 2
     hb = min(hb, half)
     if half % hb or hb < 16 or weight.dtype != x.dtype:  # tl.dot's N is at least 16
@@ -120,7 +119,7 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
             q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, weight.stride(0), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], T=t, TP=16, K=k, K1=k1,
-            K2=k2, PROLOGUE=prologue, NORM_MODE=norm_mode, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq,
+            K2=k2, PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq,
             HKV=hkv, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rows", e)
@@ -203,13 +202,14 @@ if triton is not None:
     @triton.jit
     def _qkv_rows_kernel(X, RES, RES_OUT, NW, W, BIAS, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r, s_w, sc_blk,
                          sc_slot, sc_h, s_cos, BS, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
-                         K1: tl.constexpr, K2: tl.constexpr, PROLOGUE: tl.constexpr, NORM_MODE: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr,
-                         HKV: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                         K1: tl.constexpr, K2: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                         PREC: tl.constexpr, PDL: tl.constexpr):
         """``_qkv_rope_kernel``'s outputs for all T rows (padded to TP) at once: a program owns HB pairs of one
-        head and forms both halves' sums with ``tl.dot`` (float32 accumulation), each weight block loaded once,
-        before the predecessor completes. PROLOGUE NORM / ADD_NORM: ``_rows_add_norm`` (NORM_MODE 2: 1 / rms
-        applied to the sums)."""
+        head and forms their sums with one ``tl.dot`` (float32 accumulation), each weight block loaded once,
+        before the predecessor completes. PROLOGUE NORM / ADD_NORM: ``_rows_add_norm`` (rounded as the one-row
+        kernel's prologue; with the norm applied to the sums instead, the rows' tile and its product were both
+        live and spilled, 6.3 µs a call against 3.8)."""
         pdl_begin(PDL)
         pid = tl.program_id(0)
         head = pid // (HALF // HB)  # q heads, then k heads, then v heads
@@ -235,15 +235,13 @@ if triton is not None:
         x2 = x1
         if K2 > 0:
             x2 = tl.load(X + rows * s_x + ks2[None, :], mask=rm & (ks2 < K)[None, :], other=0.0)
-        rstd = tl.full([TP, 1], 1.0, tl.float32)
         if PROLOGUE > 0:
-            x1, x2, rstd = _rows_add_norm(x1, x2, RES, RES_OUT, NW, rows, ks1, ks2, eps, s_r, T, K, K2,
-                                          NORM_MODE == 2, PROLOGUE == 2)
+            x1, x2 = _rows_add_norm(x1, x2, RES, RES_OUT, NW, rows, ks1, ks2, eps, s_r, T, K, K2, PROLOGUE == 2)
         acc = tl.dot(x1, tl.trans(w1), input_precision=PREC)  # [TP, 2 HB] float32
         if K2 > 0:
             acc = tl.dot(x2, tl.trans(w2), acc, input_precision=PREC)
         # the projection's outputs as its own kernel would store them, then the halves apart: [TP, HB] each
-        acc = (acc * rstd + bias[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        acc = (acc + bias[None, :]).to(X.dtype.element_ty).to(tl.float32)
         p1, p2 = tl.split(tl.reshape(acc, [TP, HB, 2]))
         om = rm & nm[None, :]
         slot = tl.load(SLOT + rows, mask=rm, other=0)

@@ -170,7 +170,7 @@ class SwiGLU(nn.Module):
         projection scales gate and up by 1 / rms(s) (``from_stream``). So it does where the step has too many
         rows for the one-row-per-program kernel (cuBLAS runs gate/up: a step of 6-8 rows of the default model,
         or a wider model's verify step), or where the kernel reading each weight block once for all rows takes
-        it (``gemv_rows``, unless SPECSERVE_GEMV_ROWS_NORM=1 or 2 puts the norm in its prologue). Not in float16: the
+        it (``gemv_rows``, unless SPECSERVE_GEMV_ROWS_NORM=1 puts the norm in its prologue). Not in float16: the
         gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range.
         SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every few-row step (tests: a tiny model's steps
         fit the kernel)."""
@@ -190,11 +190,10 @@ class SwiGLU(nn.Module):
 
     def _normed_gate_up(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
         """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual); with
-        SPECSERVE_GEMV_ROWS_NORM=1 or 2, on ``gemv_rows``' kernel where that takes the step."""
-        gu, mode = self.gate_up_proj, rows_norm()
-        if mode and rows_takes(x, gu.weight):
-            out = rows_projection(x, gu.weight, gu.bias, residual=residual, norm_in=norm.weight, eps=norm.eps,
-                                  after=mode == 2)
+        SPECSERVE_GEMV_ROWS_NORM=1, on ``gemv_rows``' kernel where that takes the step."""
+        gu = self.gate_up_proj
+        if rows_norm() and rows_takes(x, gu.weight):
+            out = rows_projection(x, gu.weight, gu.bias, residual=residual, norm_in=norm.weight, eps=norm.eps)
             if out is not None:
                 return out
         return fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual, norm.weight,
