@@ -14,9 +14,9 @@ kernel) relative to the output's largest magnitude.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,7 @@ def measure_qkv(t: int, g) -> dict:
     slots = pos.clone()
     common = (pos, cos, sin, kc, vc, slots, hq, hkv, d)
     row = dict(op="qkv+rope add+norm", tokens=t, n=n, k=k, us={}, err={})
-    with env_set("SPECSERVE_QKV_ROWS", "0"):
+    with mock.patch.dict(os.environ, {"SPECSERVE_QKV_ROWS": "0"}):
         ref = qkv_rope_cache(x, ws[0], None, ADD_NORM, res, nw, EPS, *common)[0]
         row["us"]["per-row"] = round(graph_us(lambda: [qkv_rope_cache(x, w, None, ADD_NORM, res, nw, EPS, *common)
                                                        for w in ws], LAYERS), 2)
@@ -118,16 +118,6 @@ def measure_qkv(t: int, g) -> dict:
     if bad:
         print(f"  errors / failures: {bad}", flush=True)
     return row
-
-
-@contextlib.contextmanager
-def env_set(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
 
 
 @torch.inference_mode()

@@ -17,6 +17,18 @@ from specserve.kernels.qkv_rope import EMBED_CAT, _qkv_rows, qkv_rope_cache
 from specserve.kernels.rope import rope_and_cache
 
 
+def _qkv_setup(g, device, dtype):
+    """A qkv + RoPE check's shapes and tensors: heads (q, kv), head size, cache blocks and block size, K; the
+    weight [(Hq + 2 Hkv) D, K], a bias, a norm weight [K], and the cos / sin tables of 100 positions."""
+    hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
+    n = (hq + 2 * hkv) * d
+    w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
+    bias = torch.randn(n, generator=g).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
+    freqs = torch.outer(torch.arange(100).float(), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    return hq, hkv, d, blocks, bs, k, w, bias, nw, freqs.cos().to(device), freqs.sin().to(device)
+
+
 @kernel_check
 def check_qkv_rope(device, dtype):
     """The qkv projection with RoPE and the cache write inside against the projection and then the rope kernel
@@ -25,14 +37,8 @@ def check_qkv_rope(device, dtype):
     weights loaded first and after the prologue; a row of a 5-row step exactly as the same row in steps of 1
     and 2 rows (a verify row rounds as a decode row)."""
     g = torch.Generator().manual_seed(12)
-    hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
-    n = (hq + 2 * hkv) * d
-    w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
-    bias = torch.randn(n, generator=g).to(device, dtype)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(100).float(), inv)
-    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    hq, hkv, d, blocks, bs, k, w, bias, nw, cos, sin = _qkv_setup(g, device, dtype)
+    n = w.shape[0]
     x = torch.randn(5, k, generator=g).to(device, dtype)
     res = torch.randn(5, k + 8, generator=g).to(device, dtype)[:, :k]
     w2 = (0.05 * torch.randn(n, 2 * k, generator=g)).to(device, dtype)  # EMBED_CAT's projection: [embedding, x]
@@ -91,14 +97,7 @@ def check_qkv_rows(device, dtype):
     ``SPECSERVE_QKV_ROWS`` on, a 5-row step takes it with the launch named, a 1-row step keeps the one-row
     kernel."""
     g = torch.Generator().manual_seed(14)
-    hq, hkv, d, blocks, bs, k = (3, 1, 32, 5, 16, 96) if QUICK else (9, 3, 64, 5, 16, 576)
-    n = (hq + 2 * hkv) * d
-    w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
-    bias = torch.randn(n, generator=g).to(device, dtype)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.outer(torch.arange(100).float(), inv)
-    cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+    hq, hkv, d, blocks, bs, k, w, bias, nw, cos, sin = _qkv_setup(g, device, dtype)
     x8 = torch.randn(8, k + 8, generator=g).to(device, dtype)[:, :k]
     res8 = torch.randn(8, k, generator=g).to(device, dtype)
     pos8 = torch.tensor([0, 5, 17, 40, 99, 3, 64, 1], device=device)
