@@ -103,6 +103,13 @@ def check_attention(device, dtype):
         # split, the split kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
         _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
         _close(paged_attention_triton(*args, num_splits=1), ref, dtype, f"paged attention, 1 split {hq}/{hkv}/{d}")
+        # the queries read in place from other rows of a larger q (q_rows): the same outputs, to the bit
+        sel = torch.randperm(t + 7, generator=g)[:t].to(device)
+        wide = torch.zeros(t + 7, hq, d, dtype=dtype, device=device)
+        wide[sel] = q
+        for ns in (None, 1):
+            assert torch.equal(paged_attention_triton(wide, *args[1:], num_splits=ns, q_rows=sel),
+                               paged_attention_triton(*args, num_splits=ns)), f"attention q_rows {hq}/{hkv}/{d} {ns}"
         # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)
         if dtype == (torch.bfloat16 if device == "cuda" else torch.float32):
             _close(paged_attention_flex(*args), ref, dtype, f"flex attention {hq}/{hkv}/{d}")

@@ -9,6 +9,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.runner.cuda_graph import CudaGraphs, capture_sizes
+from specserve.runner.model_runner import ModelRunner
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 
@@ -62,6 +63,20 @@ def test_padded_graph_layout_equals_packed_steps(dirs, spec, n):
     assert got == ref
     assert llm.engine.runner.graphs.steps >= 8  # most steps ran in the padded layout
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+def test_a_prefill_layout_as_wide_as_a_verify_step_is_not_taken_for_one(dirs, monkeypatch):
+    """D = 15: a one-row prefill graph (16 tokens) has the q of a generation step (1 + D), and must still read
+    the logits at the prompt's last token (a generation layout's verify step reads them at every token)."""
+    spec = dict(method="eagle3", draft_model="eagle3", max_draft_len=15)
+    ref, _ = _run(dirs, spec, 1, padded=False)
+    taken = []
+    graph_layout = ModelRunner.graph_layout
+    monkeypatch.setattr(ModelRunner, "graph_layout", lambda self, b: taken.append(graph_layout(self, b)) or taken[-1])
+    got, _ = _run(dirs, spec, 1, padded=True)
+    assert got == ref
+    assert any(t is not None and t.prefill and t.q == 16 for t in taken)  # the prompt ran as a prefill graph
+    assert any(t is not None and not t.prefill and t.q == 16 for t in taken)  # and verify steps of 1 + 15
 
 
 @pytest.mark.gpu

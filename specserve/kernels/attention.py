@@ -47,15 +47,18 @@ BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smalle
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None,
-                           block_n: int | None = None, num_warps: int | None = None, flat_index=None):
+                           block_n: int | None = None, num_warps: int | None = None, flat_index=None,
+                           q_rows=None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions and past that to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
     ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
     partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
-    ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``."""
-    t, hq, d = q.shape
+    ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
+    token i's query is q[q_rows[i]] and the output has T' rows (the layout's flat indices are output rows): a
+    draft step 0 attends for each row's last token only without gathering its q rows first."""
+    t, hq, d = q.shape if q_rows is None else (q_rows.shape[0], *q.shape[1:])
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -76,18 +79,20 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     launch = dict(kernel_args(q), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself
     head_d = triton.next_power_of_2(d)
-    out = torch.empty_like(q)
+    out = q.new_empty(t, hq, d)
     parts = (1, 1, 1) if final else (b * n_qt, hkv, num_splits)  # partial sums: unused with one split
     part_acc = torch.empty(parts + (block_m, head_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty(parts + (2, block_m), dtype=torch.float32, device=q.device)
     if t == 0 or b == 0:
         return out
     _attn_split_kernel[(b * n_qt, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, query_index, query_pos, part_acc, part_ml, out, scale, t, qw, n_qt,
+        q, q_rows if q_rows is not None else query_index, k_cache, v_cache, block_tables, query_index, query_pos,
+        part_acc, part_ml, out, scale, t, qw, n_qt,
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
         G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
-        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final, **launch)
+        IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final,
+        HAS_QROWS=q_rows is not None, **launch)
     parts = None if final else AttnPartials(out, part_acc, part_ml, query_index, query_pos, flat_index, qw, n_qt,
                                             qpt, g, block_m, head_d, num_splits, span)
     if parts is not None and flat_index is None:
@@ -255,12 +260,12 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attn_split_kernel(Q, KC, VC, BT, QIDX, QPOS, PACC, PML, O, scale, T, QW, NQT, WINDOW,
+    def _attn_split_kernel(Q, QROWS, KC, VC, BT, QIDX, QPOS, PACC, PML, O, scale, T, QW, NQT, WINDOW,
                            sq_t, sq_h, sc_blk, sc_slot, sc_h, s_bt, s_qi, so_t, so_h, NS,
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
                            IEEE: tl.constexpr, DYNAMIC: tl.constexpr, ITERS_STATIC: tl.constexpr,
-                           FINAL: tl.constexpr, PDL: tl.constexpr):
+                           FINAL: tl.constexpr, HAS_QROWS: tl.constexpr, PDL: tl.constexpr):
         pdl_begin(PDL)
         pdl_wait(PDL)  # everything here was written during the step
         pid = tl.program_id(0)
@@ -270,8 +275,11 @@ if triton is not None:
         hq = kvh * G + gi
         dd = tl.arange(0, HEAD_D)
         dm = dd < D
-        q = tl.load(Q + qi[:, None] * sq_t + hq[:, None] * sq_h + dd[None, :], mask=valid[:, None] & dm[None, :],
-                    other=0.0)
+        q_row = qi
+        if HAS_QROWS:  # output token qi's query is another row of Q
+            q_row = tl.load(QROWS + qi, mask=valid, other=0)
+        q = tl.load(Q + q_row[:, None] * sq_t + hq[:, None] * sq_h + dd[None, :],
+                    mask=valid[:, None] & dm[None, :], other=0.0)
         hi = tl.max(qp, axis=0) + 1  # keys needed by this tile: 0 .. max position
         lo_split = split.to(tl.int64) * SPLIT
         hi_split = tl.minimum(hi, lo_split + SPLIT)

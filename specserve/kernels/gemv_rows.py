@@ -112,8 +112,8 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
     """x [T, K] -> (x @ W.T + b (+ add) [T, N], that times ``norm_weight`` [N] or None), rounded as
     ``gemv.linear_add_scaled`` rounds; with ``residual`` [T, K] and ``norm_in`` [K]: of RMSNorm(x + residual)
     instead, rounded as ``gemv``'s ADD_NORM prologue, and the second value is x + residual. The launch is the
-    setting's (``o``: the o projection's) unless ``form`` is given. None where the kernel does not
-    build here (the caller runs its own path)."""
+    setting's (``o``: the o projection's) unless ``form`` is given. None where the kernel does not build here
+    (the caller runs its own path)."""
     if form is None:
         form, bn, warps = setting(o)
     else:

@@ -44,15 +44,19 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, defer_merge: bool = False):
+                    scale: float, defer_merge: bool = False, q_rows=None):
     """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]. ``defer_merge``: the Triton
-    kernel's split partial sums may come back unmerged (``AttnPartials``) for the caller to merge."""
+    kernel's split partial sums may come back unmerged (``AttnPartials``) for the caller to merge. ``q_rows``
+    [T'] (int64): attention for the queries q[q_rows] only (the layout ``meta`` has T' flat tokens) -> [T', Hq,
+    D]; the Triton kernel reads those rows in place, the references gather them."""
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
     if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
+        q = q if q_rows is None else q[q_rows]
         return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                     meta.sliding_window, flat_index=meta.flat_index,
                                     mask=meta.sdpa_mask(k_cache.shape[1]))
     return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
-                                  meta.sliding_window, flat_index=meta.flat_index if defer_merge else None)
+                                  meta.sliding_window, flat_index=meta.flat_index if defer_merge else None,
+                                  q_rows=q_rows)
 

@@ -59,11 +59,11 @@ class Attention(nn.Module):
             q, res = self.qkv_cached(x, positions, meta, k_cache, v_cache, prologue, residual, norm, embed)
             own = stream is not None
             fold, stream = _folded(fold, stream, res, x)
-            if rows is not None:
+            idx = None
+            if rows is not None:  # attention reads q at the N tokens idx in place
                 idx, meta = rows
-                q = q[idx]  # [N, Hq, D]
                 stream = stream if own or stream is None else stream[idx]
-            return self._attend(q, meta, k_cache, v_cache, fold, stream), res
+            return self._attend(q, meta, k_cache, v_cache, fold, stream, idx), res
         # training's dense layouts (``meta.attend``): no cache
         qkv, res = self._qkv(x, prologue, residual, norm, embed)
         q, k, v = self._heads(qkv)
@@ -111,16 +111,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None):
-        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``)."""
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD)  # [T, Hq, D]
+    def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None, q_rows=None):
+        """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``);
+        with ``q_rows`` [N], for the queries q[q_rows] only -> [N, H]."""
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD,
+                              q_rows=q_rows)  # [T or N, Hq, D]
         if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
             folded = () if fold is None else (stream, fold.weight)
             o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *folded)
             if o is not None:
                 return o if fold is not None else o[0]
             out = out.merge()
-        return self._o_proj(out.reshape(q.shape[0], self.hq * self.d), fold, stream)
+        return self._o_proj(out.reshape(out.shape[0], self.hq * self.d), fold, stream)
 
     def _o_proj(self, out, fold=None, stream=None):
         """out [..., Hq * D] -> the o projection [..., H]; with ``fold`` (an RMSNorm) and ``stream`` [..., H]:

@@ -134,8 +134,9 @@ class GraphLayout:
     """The fixed shape of a CUDA-graph step (see ``ModelRunner.prepare``)."""
 
     rows: int  # batch size, padded up to a captured size
-    q: int  # tokens per row: 1 (decode) or 1 + D (verify)
+    q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a one-row prefill's padded token count
     table_width: int  # block-table entries per row (covers max_model_len)
+    prefill: bool = False  # a one-row prefill (``_prefill_layout``), not a generation step, whatever q is
 
 
 @dataclass
@@ -219,9 +220,9 @@ class ModelRunner:
         q = max(16, 1 << (s.num_tokens - 1).bit_length())
         if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens or q > self.max_graph_q:
             return None
-        return self._layout(batch, q)
+        return self._layout(batch, q, prefill=True)
 
-    def _layout(self, batch: SchedulerOutput, q: int) -> GraphLayout | None:
+    def _layout(self, batch: SchedulerOutput, q: int, prefill: bool = False) -> GraphLayout | None:
         """Rows padded to a captured size; block tables as wide as the longest row needs, rounded up to a
         power of two (at least 256 tokens), so that a graph's attention covers at most twice the context
         it needs and a handful of graphs serve every context length."""
@@ -233,7 +234,7 @@ class ModelRunner:
         width = min(self.graph_table_width, 1 << max(need, cdiv(256, self.block_size)).bit_length() - 1)
         if width < need:
             width = min(self.graph_table_width, width * 2)
-        return GraphLayout(rows, q, max(width, need))
+        return GraphLayout(rows, q, max(width, need), prefill)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,

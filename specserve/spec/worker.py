@@ -152,14 +152,14 @@ class SpecDecodeRunner(ModelRunner):
     def _expand_args(self, f: dict, rec) -> dict:
         return dict(num_drafts=self.num_drafts, flags=f["flags"].view(4, rec.rows))
 
-    def _graph_step_inputs(self, rec, switches: tuple):
+    def _graph_step_inputs(self, rec, switches: tuple, layout: GraphLayout):
         """Inside a graph step: ``_step``'s arguments from the record and its expansion (what ``_stage_spec``
         builds on the host for a packed step)."""
         f, x, inp = self.graph_views(rec)
         can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)  # [B] bool each
         t = dict(verify_idx=x["verify_idx"], drafts=x["drafts"], num_drafts=f["num_drafts"], base_col=x["base_col"],
                  t0=x["t0"], start=f["start"], ext=x["ext"], row_of_token=x["row_of_token"].view(-1),
-                 col_of_token=x["col_of_token"].reshape(-1))
+                 col_of_token=x["col_of_token"].reshape(-1), verify_all=not layout.prefill)
         simple_greedy, _, _, max_topk = switches
         acc = AcceptInputs(
             sampling=inp.sampling, greedy=greedy, can_accept=can_accept, relaxed=relaxed,
@@ -200,7 +200,7 @@ class SpecDecodeRunner(ModelRunner):
         else:  # a replay reads the staged record in place: views are made only to capture
             rec, switches = self.stage_graph(batch, layout)
             out = self.graphs.run(self.graph_key(layout, switches, rec),
-                                  lambda: self._step(*self._graph_step_inputs(rec, switches)))
+                                  lambda: self._step(*self._graph_step_inputs(rec, switches, layout)))
         d = self.num_drafts
         results = []
         for s, row in zip(sched, zip(*self._copy_back(out))):  # the one device -> host copy, by rows
@@ -223,7 +223,10 @@ class SpecDecodeRunner(ModelRunner):
         # verify + accept
         # greedy rows need the argmax only: logits in the weights' dtype (no float32 copy)
         logits_fn = self.model.lm_logits if acc_in.simple_greedy else self.model.compute_logits
-        logits = logits_fn(hidden[t["verify_idx"]]).view(b, d + 1, -1)  # [B, D+1, V]
+        # a generation step's layout (1 + D tokens per row) verifies at every token: verify_idx is the identity
+        # wherever acceptance reads (columns past a row's drafts repeat its last token there, and are never read)
+        verified = hidden if t.get("verify_all") else hidden[t["verify_idx"]]  # [B * (D+1), H]
+        logits = logits_fn(verified).view(b, d + 1, -1)  # [B, D+1, V]
         sample_row = acc_in.can_accept
         # the step's result by rows [1 + (D+1) + D, B]: accepted count, emitted tokens, drafts; on the GPU the
         # acceptance kernel and each draft step's argmax write their rows (no concatenation kernels)
