@@ -278,6 +278,10 @@ def check_gemv_rows(device, dtype):
         assert torch.equal(rows_linear(x, w), rows_linear(x, w, "turn", 8, 2))
     with env("SPECSERVE_GEMV_ROWS", "0"):
         assert not rows_takes(x, w)
+    with env("SPECSERVE_GEMV_ROWS", "dot,32,2"):  # K = 1000 (1,024 padded): weights and rows would not fit
+        wide = torch.zeros(5, 1000, device=device, dtype=dtype)
+        assert rows_takes(wide[:, :64], torch.zeros(8, 64, device=device, dtype=dtype))
+        assert not rows_takes(wide, torch.zeros(8, 1000, device=device, dtype=dtype))
 
 
 @kernel_check

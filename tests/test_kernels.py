@@ -118,3 +118,13 @@ def test_pdl_launches_only_on_a_gpu_that_has_it(monkeypatch):
         assert pdl.pdl(x) == (pdl._HAS_GDC and torch.cuda.get_device_capability() >= (9, 0) and pdl.ENABLED)
         monkeypatch.setattr(pdl, "ENABLED", False)
         assert not pdl.pdl(x)
+
+
+def test_several_row_kernels_keep_to_widths_that_fit_their_registers():
+    """The kernels that read each weight block once for all of a step's rows hold a block of weights and the rows'
+    tile in registers: at the default model's width (576) their launches fit, at wider inputs they spilled (ptxas
+    for sm_90), so those steps keep the other kernels (``gemv_rows.fits``)."""
+    from specserve.kernels.gemv_rows import fits
+
+    assert fits(576, 32, 2) and not fits(960, 32, 2) and not fits(2048, 32, 2)  # gate/up: 32 features, 2 warps
+    assert fits(576, 32, 4) and fits(960, 32, 4) and not fits(1536, 32, 4)  # qkv: 16 pairs (32 rows), 4 warps

@@ -57,6 +57,11 @@ DEFAULT_O = "0"  # the o projection: off (faster per call without an epilogue, n
 # Steps of fewer rows keep one program per row: at 2 rows that kernel with its norm prologue costs 3.9 µs against
 # 2.2 here, about what folding the norm adds to the o and down projections (~1.8 µs at 5 rows)
 MIN_ROWS = 4
+# Elements of its weight block and the rows' tile ([BLOCK_N + 16, K padded]) a ``dot`` program holds per thread:
+# 432 is the default model's gate/up launch (32 features x 576 at 2 warps), built for sm_90 without a spill; the
+# same launch at K = 960 (1,024 padded) spilled 5.7 KB a thread and at 2,048 16.8 KB (``ptxas -v``), so steps that
+# wide keep the one-row-per-program kernel or cuBLAS (``fits``)
+MAX_THREAD_ELEMS = 432
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,11 +87,21 @@ def setting(o: bool = False) -> tuple[str, int, int] | None:
     return _parse(os.environ.get("SPECSERVE_GEMV_ROWS", DEFAULT))
 
 
+def fits(k: int, block: int, warps: int) -> bool:
+    """Whether a ``dot`` program of ``block`` weight rows over K = ``k`` with ``warps`` warps holds at most
+    ``MAX_THREAD_ELEMS`` elements a thread (weights and the rows' tile padded to 16)."""
+    k1, k2 = k_blocks(k)
+    return (block + 16) * (k1 + k2) <= MAX_THREAD_ELEMS * 32 * warps
+
+
 def rows_takes(x: torch.Tensor, weight: torch.Tensor, o: bool = False) -> bool:
     """Whether the step x [T, K] through ``weight`` [N, K] runs on this kernel (``o``: as the o projection):
-    on, a step of ``MIN_ROWS`` to ``MAX_ROWS`` rows that the few-row kernels take, a plain weight."""
-    return (setting(o) is not None and MIN_ROWS <= x.shape[0] <= MAX_ROWS and gemv_enabled(x, weight.shape[1])
-            and weight.stride(1) == 1 and weight.dtype == x.dtype and kernel_usable("gemv_rows"))
+    on, a step of ``MIN_ROWS`` to ``MAX_ROWS`` rows that the few-row kernels take, a plain weight, and for the
+    ``dot`` form a launch that ``fits`` K."""
+    spec = setting(o)
+    return (spec is not None and MIN_ROWS <= x.shape[0] <= MAX_ROWS and gemv_enabled(x, weight.shape[1])
+            and weight.stride(1) == 1 and weight.dtype == x.dtype and kernel_usable("gemv_rows")
+            and (spec[0] != "dot" or fits(weight.shape[1], spec[1], spec[2])))
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, form: str | None = None, block: int | None = None,

@@ -105,7 +105,9 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
     hb, warps = setting or rows_setting()
     t, k, half = x.shape[0], weight.shape[1], d // 2
     hb = min(hb, half)
-    if half % hb or hb < 16 or weight.dtype != x.dtype:  # tl.dot's N is at least 16
+    # tl.dot's N is at least 16; wider K than ``gemv_rows.fits`` spills (K = 1,536 at 16 pairs / 4 warps: 452
+    # bytes a thread, 2,048: 10 KB; ``ptxas -v`` for sm_90)
+    if half % hb or hb < 16 or weight.dtype != x.dtype or not gemv_rows.fits(k, 2 * hb, warps):
         return None
     k1, k2 = gemv.k_blocks(k)
     if 0 < k2 < 16:  # tl.dot's K is at least 16: one block
