@@ -37,6 +37,32 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+def timer(row: dict, ws: list, ref: torch.Tensor):
+    """``time(label, fn, check=None)``: fn over every layer's weight in one graph, its median per call in
+    row["us"]; check(ws[0])'s error against ``ref`` in row["err"]; a launch that does not build is noted there
+    and the sweep goes on."""
+    def time(label, fn, check=None):
+        try:
+            if check is not None:
+                row["err"][label] = rel_err(check(ws[0]), ref)
+            row["us"][label] = round(graph_us(lambda: [fn(w) for w in ws], LAYERS), 2)
+        except Exception as e:
+            row["us"][label] = None
+            row["err"][label] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return time
+
+
+def report(name: str, row: dict) -> dict:
+    """Print a row's timings, fastest first, and any error past 2% or failure."""
+    ok = sorted(((lab, us) for lab, us in row["us"].items() if us is not None), key=lambda kv: kv[1])
+    print(f"{name} t={row['tokens']}: " + ", ".join(f"{lab} {us}" for lab, us in ok) + f"  | best {ok[0][0]}",
+          flush=True)
+    bad = {lab: e for lab, e in row["err"].items() if isinstance(e, str) or e > 2e-2}
+    if bad:
+        print(f"  errors / failures: {bad}", flush=True)
+    return row
+
+
 def measure(name: str, t: int, variants: dict, g) -> dict:
     n, k = SHAPES[name]
     ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -45,15 +71,7 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
     nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
     ref = F.linear(x, ws[0])
     row = dict(op=name, tokens=t, n=n, k=k, us={}, err={})
-
-    def time(label, fn, check=None):
-        try:
-            if check is not None:
-                row["err"][label] = rel_err(check(ws[0]), ref)
-            row["us"][label] = round(graph_us(lambda: [fn(w) for w in ws], LAYERS), 2)
-        except Exception as e:  # a launch that does not build here: noted, the sweep goes on
-            row["us"][label] = None
-            row["err"][label] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    time = timer(row, ws, ref)
 
     time("cublas", lambda w: F.linear(x, w))
     time(f"per-row bn{block_n(n, k, t)}", lambda w: fused_linear(x, w)[0], lambda w: fused_linear(x, w)[0])
@@ -70,14 +88,7 @@ def measure(name: str, t: int, variants: dict, g) -> dict:
                 return rows_projection(x, w, form="dot", block=bn, num_warps=warps, residual=res, norm_in=nw,
                                        eps=EPS)[0]
             time(f"dot+add+norm bn{bn}/w{warps}", fn)
-    ok = {lab: us for lab, us in row["us"].items() if us is not None}
-    best = min(ok, key=ok.get)
-    print(f"{name} t={t}: " + ", ".join(f"{lab} {us}" for lab, us in sorted(ok.items(), key=lambda kv: kv[1]))
-          + f"  | best {best}", flush=True)
-    bad = {lab: e for lab, e in row["err"].items() if isinstance(e, str) or e > 2e-2}
-    if bad:
-        print(f"  errors / failures: {bad}", flush=True)
-    return row
+    return report(name, row)
 
 
 def measure_qkv(t: int, g) -> dict:
@@ -100,24 +111,13 @@ def measure_qkv(t: int, g) -> dict:
     row = dict(op="qkv+rope add+norm", tokens=t, n=n, k=k, us={}, err={})
     with mock.patch.dict(os.environ, {"SPECSERVE_QKV_ROWS": "0"}):
         ref = qkv_rope_cache(x, ws[0], None, ADD_NORM, res, nw, EPS, *common)[0]
-        row["us"]["per-row"] = round(graph_us(lambda: [qkv_rope_cache(x, w, None, ADD_NORM, res, nw, EPS, *common)
-                                                       for w in ws], LAYERS), 2)
+        time = timer(row, ws, ref)
+        time("per-row", lambda w: qkv_rope_cache(x, w, None, ADD_NORM, res, nw, EPS, *common))
     for hb, warps in ((16, 2), (16, 4), (16, 8), (32, 4), (32, 8)):
-        label = f"rows hb{hb}/w{warps}"
-        try:
-            out = _qkv_rows(x, ws[0], None, ADD_NORM, res, nw, EPS, *common, setting=(hb, warps))
-            row["err"][label] = rel_err(out[0], ref)
-            row["us"][label] = round(graph_us(lambda: [_qkv_rows(x, w, None, ADD_NORM, res, nw, EPS, *common,
-                                                                 setting=(hb, warps)) for w in ws], LAYERS), 2)
-        except Exception as e:
-            row["us"][label], row["err"][label] = None, f"{type(e).__name__}: {str(e)[:120]}"
-    ok = {lab: us for lab, us in row["us"].items() if us is not None}
-    ranked = sorted(ok.items(), key=lambda kv: kv[1])
-    print(f"qkv+rope add+norm t={t}: " + ", ".join(f"{lab} {us}" for lab, us in ranked), flush=True)
-    bad = {lab: e for lab, e in row["err"].items() if isinstance(e, str) or e > 2e-2}
-    if bad:
-        print(f"  errors / failures: {bad}", flush=True)
-    return row
+        def fn(w, hb=hb, warps=warps):
+            return _qkv_rows(x, w, None, ADD_NORM, res, nw, EPS, *common, setting=(hb, warps))
+        time(f"rows hb{hb}/w{warps}", fn, lambda w, fn=fn: fn(w)[0])
+    return report("qkv+rope add+norm", row)
 
 
 @torch.inference_mode()

@@ -58,9 +58,9 @@ DEFAULT_O = "0"  # the o projection: off (faster per call without an epilogue, n
 # 2.2 here, about what folding the norm adds to the o and down projections (~1.8 µs at 5 rows)
 MIN_ROWS = 4
 # Elements of its weight block and the rows' tile ([BLOCK_N + 16, K padded]) a ``dot`` program holds per thread:
-# 432 is the default model's gate/up launch (32 features x 576 at 2 warps), built for sm_90 without a spill; the
-# same launch at K = 960 (1,024 padded) spilled 5.7 KB a thread and at 2,048 16.8 KB (``ptxas -v``), so steps that
-# wide keep the one-row-per-program kernel or cuBLAS (``fits``)
+# 432 is the default model's gate/up launch (32 features x 576 at 2 warps: for sm_90 255 registers and 88 bytes
+# spilled a thread, the launch measured on the GPU); at K = 960 (1,024 padded) it spilled 5.7 KB a thread and at
+# 2,048 16.8 KB (``benchmarks/kernel_spills.py``), so steps that wide keep the one-row kernel or cuBLAS (``fits``)
 MAX_THREAD_ELEMS = 432
 
 
@@ -87,10 +87,17 @@ def setting(o: bool = False) -> tuple[str, int, int] | None:
     return _parse(os.environ.get("SPECSERVE_GEMV_ROWS", DEFAULT))
 
 
+def dot_blocks(k: int) -> tuple[int, int]:
+    """K as a ``dot`` program loads it: ``gemv.k_blocks``, or one block where the second would be narrower than
+    ``tl.dot``'s 16 (k1 is then half the next power of two)."""
+    k1, k2 = k_blocks(k)
+    return (2 * k1, 0) if 0 < k2 < 16 else (k1, k2)
+
+
 def fits(k: int, block: int, warps: int) -> bool:
     """Whether a ``dot`` program of ``block`` weight rows over K = ``k`` with ``warps`` warps holds at most
     ``MAX_THREAD_ELEMS`` elements a thread (weights and the rows' tile padded to 16)."""
-    k1, k2 = k_blocks(k)
+    k1, k2 = dot_blocks(k)
     return (block + 16) * (k1 + k2) <= MAX_THREAD_ELEMS * 32 * warps
 
 
@@ -135,9 +142,7 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
         bn, warps = LAUNCH[form]
     bn, warps = block or bn, num_warps or warps
     t, (n, k) = x.shape[0], weight.shape
-    k1, k2 = k_blocks(k)
-    if form == "dot" and 0 < k2 < 16:  # tl.dot's K is at least 16: one block
-        k1, k2 = triton.next_power_of_2(k), 0
+    k1, k2 = dot_blocks(k) if form == "dot" else k_blocks(k)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     out2 = None if norm_weight is None else torch.empty(t, n, dtype=x.dtype, device=x.device)
     norm = residual is not None
@@ -200,10 +205,7 @@ if triton is not None:
                             HAS_OUT2)
         else:
             rows = tl.arange(0, TP)[:, None]  # [TP, 1]; rows past T read as zeros
-            x1 = tl.load(X + rows * s_x + ks1[None, :], mask=(rows < T) & (ks1 < K)[None, :], other=0.0)
-            x2 = x1
-            if K2 > 0:
-                x2 = tl.load(X + rows * s_x + ks2[None, :], mask=(rows < T) & (ks2 < K)[None, :], other=0.0)
+            x1, x2 = _rows_tile(X, rows, ks1, ks2, s_x, T, K, K2)
             if NORM_IN:
                 x1, x2 = _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T, K, K2)
             if FORM == 1:
@@ -216,6 +218,16 @@ if triton is not None:
                     acc += tl.sum(x2.to(tl.float32)[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
             _rows_store(OUT, ADD, OUT2, rows, cols[None, :], (rows < T) & nm[None, :], acc, bias[None, :],
                         nw2[None, :], N, s_a, HAS_ADD, HAS_OUT2)
+
+    @triton.jit
+    def _rows_tile(X, rows, ks1, ks2, s_x, T: tl.constexpr, K: tl.constexpr, K2: tl.constexpr):
+        """Rows [TP, 1] of X at columns ks1 and ks2 -> [TP, K1], [TP, K2] (the second is the first when K2 = 0);
+        rows past T and columns past K read as zeros."""
+        x1 = tl.load(X + rows * s_x + ks1[None, :], mask=(rows < T) & (ks1 < K)[None, :], other=0.0)
+        x2 = x1
+        if K2 > 0:
+            x2 = tl.load(X + rows * s_x + ks2[None, :], mask=(rows < T) & (ks2 < K)[None, :], other=0.0)
+        return x1, x2
 
     @triton.jit
     def _rows_add_norm(x1, x2, RES, RES_OUT, NWI, rows, ks1, ks2, eps, s_r, T: tl.constexpr, K: tl.constexpr,

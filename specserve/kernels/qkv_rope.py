@@ -30,7 +30,7 @@ try:
     import triton.language as tl
 
     from specserve.kernels.gemv import _gemv_dot, _gemv_prologue, _gemv_weights
-    from specserve.kernels.gemv_rows import _rows_add_norm
+    from specserve.kernels.gemv_rows import _rows_add_norm, _rows_tile
     from specserve.kernels.pdl import pdl_begin, pdl_wait
 except ImportError:
     triton = None
@@ -105,13 +105,11 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
     hb, warps = setting or rows_setting()
     t, k, half = x.shape[0], weight.shape[1], d // 2
     hb = min(hb, half)
-    # tl.dot's N is at least 16; wider K than ``gemv_rows.fits`` spills (K = 1,536 at 16 pairs / 4 warps: 452
-    # bytes a thread, 2,048: 10 KB; ``ptxas -v`` for sm_90)
+    # tl.dot's N is at least 16; wider K than ``gemv_rows.fits`` spills (K = 1,536 at 16 pairs / 4 warps: 488
+    # bytes a thread, 2,048: 9.5 KB; ``benchmarks/kernel_spills.py``)
     if half % hb or hb < 16 or weight.dtype != x.dtype or not gemv_rows.fits(k, 2 * hb, warps):
         return None
-    k1, k2 = gemv.k_blocks(k)
-    if 0 < k2 < 16:  # tl.dot's K is at least 16: one block
-        k1, k2 = triton.next_power_of_2(k), 0
+    k1, k2 = gemv_rows.dot_blocks(k)
     q_out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
     res_out = torch.empty(t, k, dtype=x.dtype, device=x.device) if prologue == gemv.ADD_NORM else None
     try:
@@ -233,10 +231,7 @@ if triton is not None:
         ks2 = ks1
         if K2 > 0:
             ks2 = K1 + tl.arange(0, K2)
-        x1 = tl.load(X + rows * s_x + ks1[None, :], mask=rm & (ks1 < K)[None, :], other=0.0)
-        x2 = x1
-        if K2 > 0:
-            x2 = tl.load(X + rows * s_x + ks2[None, :], mask=rm & (ks2 < K)[None, :], other=0.0)
+        x1, x2 = _rows_tile(X, rows, ks1, ks2, s_x, T, K, K2)
         if PROLOGUE > 0:
             x1, x2 = _rows_add_norm(x1, x2, RES, RES_OUT, NW, rows, ks1, ks2, eps, s_r, T, K, K2, PROLOGUE == 2)
         acc = tl.dot(x1, tl.trans(w1), input_precision=PREC)  # [TP, 2 HB] float32
