@@ -122,8 +122,9 @@ def test_pdl_launches_only_on_a_gpu_that_has_it(monkeypatch):
 
 def test_several_row_kernels_keep_to_widths_that_fit_their_registers():
     """The kernels that read each weight block once for all of a step's rows hold a block of weights and the rows'
-    tile in registers: at the default model's width (576) their launches fit, at wider inputs they spilled (ptxas
-    for sm_90), so those steps keep the other kernels (``gemv_rows.fits``)."""
+    tile in registers: at the default model's width (576) their launches are the ones measured on the GPU, at
+    wider inputs they spilled kilobytes a thread (``benchmarks/kernel_spills.py``, sm_90), so those steps keep
+    the other kernels (``gemv_rows.fits``). The qkv launch at 960 spills 60 bytes and stays."""
     from specserve.kernels.gemv_rows import fits
 
     assert fits(576, 32, 2) and not fits(960, 32, 2) and not fits(2048, 32, 2)  # gate/up: 32 features, 2 warps
