@@ -9,7 +9,8 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.runner.cuda_graph import CudaGraphs, capture_sizes
-from specserve.runner.model_runner import ModelRunner
+from specserve.runner.graph_inputs import row_fields, stage_record
+from specserve.runner.model_runner import ModelRunner, _Staging
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 
@@ -77,6 +78,40 @@ def test_a_prefill_layout_as_wide_as_a_verify_step_is_not_taken_for_one(dirs, mo
     assert got == ref
     assert any(t is not None and t.prefill and t.q == 16 for t in taken)  # the prompt ran as a prefill graph
     assert any(t is not None and not t.prefill and t.q == 16 for t in taken)  # and verify steps of 1 + 15
+
+
+@pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
+def test_a_record_rewritten_in_place_equals_one_staged_whole(dirs, spec, monkeypatch):
+    """From the second graph step of the same rows on, only the fields that change per step are rewritten
+    (tokens, positions, block tables, sampling offsets, the thinking flags): the buffer must then hold exactly
+    what staging the whole record writes, and the step the same switches."""
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32",
+              speculative_config=None if SPECS[spec] is None else dict(SPECS[spec],
+                                                                      draft_model=str(dirs / "eagle3")))
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    real_stage = runner.stage_graph
+    rewritten = []
+
+    def stage(batch, layout):
+        for i, s in enumerate(batch.scheduled):  # the thinking flag as a relaxed phase would move it
+            s.request.thinking = (runner.graphs.steps + i) % 3 == 0
+        rec, switches = real_stage(batch, layout)
+        last = runner._last_record
+        rewritten.append(last.restaged is not None and last.record is rec)
+        scratch = _Staging(torch.int64, torch.device("cpu"))
+        ints, tables = row_fields(batch.scheduled, layout.rows, layout.q, runner.block_size, runner.table_lookahead)
+        floats: dict = {}
+        assert runner._row_params(batch.scheduled, layout.rows, ints, floats) == switches
+        whole = stage_record(scratch, batch.scheduled, layout.rows, layout.q, layout.table_width, ints, tables, floats)
+        assert (whole.fields, whole.float_fields, whole.size) == (rec.fields, rec.float_fields, rec.size)
+        assert torch.equal(scratch.host[:whole.size], runner._ints.host[:rec.size])
+        return rec, switches
+
+    monkeypatch.setattr(runner, "stage_graph", stage)
+    outs = llm.generate(PROMPTS[:3], PARAMS)
+    assert all(o.token_ids for o in outs)
+    assert sum(rewritten) >= 5 and not rewritten[0]  # most steps rewrote in place; the first staged whole
 
 
 @pytest.mark.gpu

@@ -91,6 +91,42 @@ def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, 
     return Record(rows, q, width, fields, _offsets(floats, n_int), n_int + n_float, [s.request for s in sched])
 
 
+def restage_record(staging, rec: Record, ints: dict[str, list[int]], tables: list[list[int]],
+                   previous: "RestageState | None", upload: bool = True) -> "RestageState":
+    """Rewrite the fields that change from step to step in a record staged by ``stage_record`` for the same
+    rows, layout and parameters, the rest left where that wrote them (the caller checks that nothing else has
+    written the buffer since: ``staging.version``): ``ints`` holds the fields to rewrite, each as long as before
+    and always the same names in the same order; ``tables`` every row's block ids, of which the rows that differ
+    from ``previous``' are rewritten. One fancy-index assignment for the fields instead of the whole record (the
+    host's share of a graph step on the GPU machine, docs/BENCHMARKS.md) -> the state for the next step."""
+    buf = staging.rewrite()
+    if previous is None:
+        index = np.concatenate([np.arange(o, o + n) for o, n in (rec.fields[k] for k in ints)])
+        old: list[list[int]] = [[]] * len(tables)
+    else:
+        index, old = previous.index, previous.tables
+    buf[index] = list(chain.from_iterable(ints.values()))
+    o, w = rec.fields["tables"][0], rec.table_width
+    for i, blocks in enumerate(tables):
+        if blocks != old[i]:
+            row = buf[o + i * w:o + (i + 1) * w]
+            row[len(blocks):] = PAD_BLOCK
+            row[:len(blocks)] = blocks
+    if upload:
+        staging.upload(rec.size)
+    else:
+        staging.upload_deferred()
+    return RestageState(index, tables)
+
+
+@dataclass
+class RestageState:
+    """What ``restage_record`` keeps between steps: the slots it rewrites, and the block tables it wrote."""
+
+    index: np.ndarray  # [F] int64 slots of the rewritten fields, in their order
+    tables: list[list[int]]
+
+
 def _offsets(fields: dict[str, list], at: int) -> dict[str, tuple[int, int]]:
     out = {}
     for name, v in fields.items():

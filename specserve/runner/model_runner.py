@@ -9,6 +9,7 @@ reads a device value.
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ from specserve.kernels.step_inputs import expand_record
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
-from specserve.runner.graph_inputs import Record, record_views, row_fields, stage_record
+from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
+                                           stage_record)
 from specserve.runner.sampler import SamplingTensors, sample
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -74,6 +76,7 @@ class _Staging:
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> (device, host) slices
         self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
         self._pending = False  # a copy out of the host buffer may still be running
+        self.version = 0  # bumped by each ``reserve``: a writer that finds its own version may rewrite in place
         self.reserve(size)
 
     def reserve(self, n: int) -> np.ndarray:
@@ -81,9 +84,8 @@ class _Staging:
         copies its results back has waited for its stream, upload included (the runner then calls
         ``synced``); one that samples nothing has not, and the next step would rewrite the buffer under
         the copy: only then does this wait for the stream (no event per copy on the usual path)."""
-        if self._pending:
-            torch.cuda.current_stream(self.device).synchronize()
-            self._pending = False
+        self._wait()
+        self.version += 1
         if n > self.host.numel():
             size = max(n, 2 * self.host.numel(), 1024)
             pin = self.device.type == "cuda"
@@ -93,6 +95,17 @@ class _Staging:
             self._pairs.clear()
             self.generation += 1
         return self._np
+
+    def rewrite(self) -> np.ndarray:
+        """The host buffer as its last writer left it, to change part of it in place (``version`` unchanged since
+        that writer's ``reserve``), once the previous copy out of it has run."""
+        self._wait()
+        return self._np
+
+    def _wait(self) -> None:
+        if self._pending:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._pending = False
 
     def upload(self, n: int) -> None:
         """Copy the first n elements to the device (asynchronously; nothing to do on the CPU). Inside a CUDA
@@ -137,6 +150,19 @@ class GraphLayout:
     q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a one-row prefill's padded token count
     table_width: int  # block-table entries per row (covers max_model_len)
     prefill: bool = False  # a one-row prefill (``_prefill_layout``), not a generation step, whatever q is
+
+
+@dataclass
+class _LastRecord:
+    """The last graph step's record, as ``stage_graph`` staged it in full."""
+
+    layout: GraphLayout
+    requests: list  # its rows' requests, in order (compared by identity)
+    version: int  # the int staging buffer's version after it was written
+    record: Record
+    switches: tuple
+    ints: dict[str, list]  # its integer fields
+    restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
 
 
 @dataclass
@@ -265,6 +291,7 @@ class ModelRunner:
         # host (24-33 µs per step on the H200 machine's host; tokens/s +5% at batch 1 there, BENCHMARKS.md ninth
         # session); SPECSERVE_GRAPH_UPLOAD=0 makes the copy from the host instead
         self.upload_in_graph = os.environ.get("SPECSERVE_GRAPH_UPLOAD", "1") != "0"
+        self._last_record: _LastRecord | None = None
 
     def prepare(self, batch: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
         """Device inputs of a packed step (``stage`` then ``views``)."""
@@ -335,10 +362,27 @@ class ModelRunner:
         sched = batch.scheduled
         b, q, m = layout.rows, layout.q, layout.table_width
         ints, tables = row_fields(sched, b, q, self.block_size, self.table_lookahead)
+        reqs = [s.request for s in sched]
+        upload = not self.upload_in_graph
+        last = self._last_record
+        # the same requests in the same layout as the step before, nothing else staged since: their parameters are
+        # in the buffer already, and only the fields that change per step are rewritten
+        if (last is not None and last.layout == layout and last.version == self._ints.version
+                and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
+            ints.update(self._step_params(sched, b, last.ints))
+            last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged, upload)
+            return last.record, last.switches
         floats: dict[str, list[float]] = {}
         switches = self._row_params(sched, b, ints, floats)
-        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats, upload=not self.upload_in_graph)
+        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats, upload=upload)
+        self._last_record = _LastRecord(layout, reqs, self._ints.version, rec, switches, ints)
         return rec, switches
+
+    def _step_params(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+        """The per-row parameters of a graph step's record that change between steps of the same requests
+        (``first``: the integer fields as the first of those steps staged them): each row's output index, which
+        seeds its sampling."""
+        return {"offsets": [s.request.num_output_tokens for s in sched] + [0] * (rows - len(sched))}
 
     def graph_key(self, layout: GraphLayout, switches: tuple, rec: Record) -> tuple:
         """The graph a step replays: its layout and host switches (and, with the upload captured, the record's

@@ -149,6 +149,12 @@ class SpecDecodeRunner(ModelRunner):
         max_topk = max(ints["relaxed_topk"])
         return all_greedy and not any(cols[1]), all_greedy, needs_filter, max_topk
 
+    def _step_params(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+        """``ModelRunner._step_params`` and the flags' last row: whether each row is in its thinking phase now."""
+        out = super()._step_params(sched, rows, first)
+        out["flags"] = first["flags"][:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched))
+        return out
+
     def _expand_args(self, f: dict, rec) -> dict:
         return dict(num_drafts=self.num_drafts, flags=f["flags"].view(4, rec.rows))
 
