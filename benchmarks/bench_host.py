@@ -2,7 +2,7 @@
 device work replaced by a stub, so the figure is what the host adds to every step whatever the GPU does.
 
 A tiny random model, B requests in the generation phase, graph layouts (padded, as on CUDA), 200 steps;
-the stub stages the step's inputs exactly as the runner does before a CUDA-graph replay (``stage_graph``:
+the stub (in place of the runner's ``launch``) stages the step's inputs exactly as the runner does before a CUDA-graph replay (``stage_graph``:
 the compact record and its upload) and returns one token (three with speculation) per row. "views" is what
 a graph capture adds on top (a replay does not): the record's device views and the ops that expand them,
 run here eagerly on the CPU, timed separately and not part of the step figure.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
-from specserve.runner.model_runner import RowResult  # noqa: E402
+from specserve.runner.model_runner import Launched, RowResult  # noqa: E402
 from tiny_models import make_head, make_hf_model  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main() -> None:
                   if spec else None)
         eng, runner = llm.engine, llm.engine.runner
         runner.graphs = CudaGraphs(max(a.batch), runner._staging_buffers(), capture=False)
-        real = runner.execute
+        real = runner.launch
         for b in a.batch:
             sp = SamplingParams(temperature=0, max_tokens=10 ** 6, ignore_eos=True)
             reqs = [eng.requests[eng.add_request([1 + i % 5 for i in range(a.prompt_len)], sp)] for _ in range(b)]
@@ -61,20 +61,20 @@ def main() -> None:
                 t1 = time.perf_counter()
                 t_in.append(t1 - t0)
                 if spec:
-                    runner._graph_step_inputs(rec, switches)
+                    runner._graph_step_inputs(rec, switches, layout)
                 else:
                     runner.graph_views(rec)
                 t_views.append(time.perf_counter() - t1)
-                return [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2) if spec else RowResult([7])
-                        for s in batch.scheduled]
+                return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2) if spec
+                                              else RowResult([7]) for s in batch.scheduled])
 
-            runner.execute = stub
+            runner.launch = stub
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 eng.step()
             per = (time.perf_counter() - t0 - sum(t_views)) / a.steps
             assert len(t_in) == a.steps, "a step ran without the model (a request ended)"
-            runner.execute = real
+            runner.launch = real
             for rid in list(eng.requests):
                 eng.abort_request(rid)
             print(f"{'on' if spec else 'off':<12}{b:>6}{per * 1e3:>14.3f}{np.median(t_in) * 1e3:>20.3f}"

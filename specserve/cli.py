@@ -31,6 +31,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "which takes the rest (when --kv-cache-memory is not given)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graph capture (graphs are used on CUDA only); steps keep the graphs' padded layouts")
+    g.add_argument("--disable-async-output-proc", action="store_true",
+                   help="detokenize and report each step before launching the next (default on CUDA: while "
+                        "the device runs the next step)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
     sp = p.add_argument_group("speculative decoding")
@@ -73,7 +76,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                 kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
                 num_kv_blocks=a.num_kv_blocks, speculative_config=spec, enforce_eager=a.enforce_eager,
-                attention_backend=a.attention_backend)
+                attention_backend=a.attention_backend, async_output=False if a.disable_async_output_proc else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,6 +269,8 @@ def _bench_parser(sub) -> None:
     b.add_argument("--compare", nargs="*", default=[], choices=["hf", "hf-compile"],
                    help="also run transformers generate (eager / static cache + torch.compile) in this process")
     b.add_argument("--enforce-eager", action="store_true")
+    b.add_argument("--disable-async-output-proc", action="store_true",
+                   help="detokenize and report each step before launching the next")
     b.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     b.add_argument("--steps", type=int, nargs="*", default=None, metavar="BATCH",
                    help="also time decode / verify / draft-loop CUDA graphs at these batch sizes (CUDA, speculative)")
@@ -284,6 +289,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           ignore_eos=a.ignore_eos, speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
+                          async_output=False if a.disable_async_output_proc else None,
                           kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:

@@ -265,7 +265,7 @@ def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
         if padded:
             runner.graphs = CudaGraphs(4, runner._staging_buffers(), capture=False)
             runner.prefill_graph_tokens = 20  # the 30-token prompt joins in a packed step
-            step, split, execute = runner.execute, runner._split, runner._execute
+            step, split, launch = runner.launch, runner._split, runner._launch
             state = {"split": False}
 
             def spy_step(batch):
@@ -278,11 +278,11 @@ def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
                 state["split"] = decisions[-1][2] is not None
                 return decisions[-1][2]
 
-            def spy_execute(batch, layout):
+            def spy_launch(batch, layout):
                 if state["split"]:  # a part of a split step
                     split_layouts.append(layout)
-                return execute(batch, layout)
-            runner.execute, runner._split, runner._execute = spy_step, spy_split, spy_execute
+                return launch(batch, layout)
+            runner.launch, runner._split, runner._launch = spy_step, spy_split, spy_launch
         outs[padded] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert llm.engine.pool.num_free == llm.engine.pool.num_usable
     assert outs[True] == outs[False]

@@ -341,14 +341,14 @@ def test_long_chunked_prompt_joins_generation_rows_greedy_and_sampled(dirs, plai
             eng.step()
         rids.append(eng.add_request(LONG, params[-1]))
         mixed = []
-        execute = eng.runner.execute
+        launch = eng.runner.launch
 
         def spy(batch):
             rows = batch.scheduled
             mixed.append(any(not s.sample for s in rows) and any(s.num_drafts for s in rows))
-            return execute(batch)
+            return launch(batch)
 
-        eng.runner.execute = spy
+        eng.runner.launch = spy
         done = {}
         while eng.has_unfinished_requests():
             done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})

@@ -48,6 +48,7 @@ class BenchConfig:
     rounds: int = 1  # specserve engines run alternately this many times (no speculation, speculation, ...)
     compare: list[str] = field(default_factory=list)  # hf, hf-compile
     enforce_eager: bool = False
+    async_output: bool | None = None  # None: the engine's default (on CUDA)
     kv_cache_memory_bytes: int | None = None
     chat_template: bool = True
     seed: int = 0
@@ -141,6 +142,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
 
     max_b = max(cfg.batch_sizes)
     kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
+              async_output=cfg.async_output,
               max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
               max_cuda_graph_batch_size=max_b)
     if cfg.kv_cache_memory_bytes:

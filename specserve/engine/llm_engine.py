@@ -41,6 +41,8 @@ class EngineArgs:
     enforce_eager: bool = False  # True: no CUDA graphs (used on CUDA only); steps keep the graphs' padded layouts
     max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
     attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
+    # detokenize and report a step while the device runs the next one (``LLMEngine.step``); None: on CUDA
+    async_output: bool | None = None
 
 
 class LLMEngine:
@@ -95,6 +97,8 @@ class LLMEngine:
         else:
             self.runner = SpecDecodeRunner(self.model, self.head, self.kv_cache, self.device, self.spec_config,
                                            self.thinking_tokens, **runner_kwargs)
+        self.async_output = self.device.type == "cuda" if args.async_output is None else args.async_output
+        self._in_flight = None  # the step launched and not yet collected (``async_output``)
         self.spec_stats = SpecStats()
         self.num_steps = 0  # model steps run (benchmarks)
         self.requests: dict[str, Request] = {}
@@ -173,39 +177,66 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that produced tokens."""
+        """Schedule, run the model once, and report every request that produced tokens.
+
+        With ``async_output`` the step is left running on the device when this returns: the next call waits
+        for it, appends its tokens, schedules and launches the step after it, and only then detokenizes and
+        builds the outputs of the one it waited for, while the device runs the new one (the host's output work
+        hidden behind the device; nothing is launched before the tokens it depends on are known, so the tokens
+        are the same). A call then reports the step launched by the call before it."""
+        pending, self._in_flight = self._in_flight, None
+        done = self._collect(pending) if pending is not None else []
         batch = self.scheduler.schedule()
-        if batch.empty:
-            return []
-        self.num_steps += 1
-        results = self.runner.execute(batch)
-        outputs = []
-        for entry, res in self.scheduler.update(batch, results):
+        if not batch.empty:
+            self.num_steps += 1
+            launched = self.runner.launch(batch)
+            if self.async_output:
+                self._in_flight = launched
+            else:
+                done += self._collect(launched)
+        return [self._report(*x) for x in done]
+
+    def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int]]:
+        """Wait for a launched step and apply its tokens: appended in order (nothing after the token that ends a
+        request), finished requests released, the next drafts kept. What the next schedule depends on is done
+        here; the rest (detokenizing without stop strings, outputs, statistics) waits for ``_report``. ->
+        (request, tokens appended, text length before them, drafts verified, drafts accepted) per sampling row."""
+        batch = launched.batch
+        done = []
+        for entry, res in self.scheduler.update(batch, self.runner.collect(launched)):
             req = entry.request
+            if req.finished:  # aborted while its step ran
+                continue
             appended, text_before = [], len(req.output_text)
             per_token = bool(req.params.stop)  # a stop string can end the request at any token of the step
-            for tok in res.tokens:  # in order; nothing after the token that ends the request
+            for tok in res.tokens:
                 req.append_token(tok)
                 appended.append(tok)
                 if per_token:
                     self._detokenize(req, [tok])
                 if req.finished:
                     break
-            if appended and not per_token:
-                self._detokenize(req, appended)
-            # the step's text after stop strings: a stop string completed by a later token of this step
-            # also cuts the text that earlier tokens of the same step added
-            delta = req.output_text[text_before:]
             # drafts that could only land past the request's last allowed token are not verified
             room = max(0, req.max_total_tokens - req.num_tokens - 1)
             req.spec_token_ids = [] if req.finished else res.drafts[:room]
-            req.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
-            self.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended))
             if req.finished:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
-            outputs.append(self._output(req, delta, appended))
-        return outputs
+            done.append((req, appended, text_before, entry.num_drafts, res.num_accepted))
+        return done
+
+    def _report(self, req: Request, appended: list[int], text_before: int, num_drafts: int,
+                num_accepted: int) -> RequestOutput:
+        """A collected step's output for one request: its text (unless stop strings detokenized it already) and
+        statistics."""
+        if appended and not req.params.stop:
+            self._detokenize(req, appended)
+        # the step's text after stop strings: a stop string completed by a later token of this step also cuts
+        # the text that earlier tokens of the same step added
+        delta = req.output_text[text_before:]
+        req.spec_stats.record(num_drafts, num_accepted, len(appended))
+        self.spec_stats.record(num_drafts, num_accepted, len(appended))
+        return self._output(req, delta, appended)
 
     def _detokenize(self, req: Request, new_ids: list[int]) -> str:
         """Extend the request's text and apply stop strings (cutting the text, finishing the request)."""

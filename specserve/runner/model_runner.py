@@ -142,6 +142,15 @@ class RowResult:
     num_accepted: int = 0  # of those, accepted
 
 
+@dataclass
+class Launched:
+    """A step queued on the device (``ModelRunner.launch``), to ``collect``."""
+
+    batch: SchedulerOutput
+    out: torch.Tensor | None  # its device output, copied back by ``collect``
+    results: list[RowResult] | None = None  # already collected (a step run as several graph replays)
+
+
 @dataclass(frozen=True)
 class GraphLayout:
     """The fixed shape of a CUDA-graph step (see ``ModelRunner.prepare``)."""
@@ -435,31 +444,45 @@ class ModelRunner:
         return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
 
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
-        """Run one step; returns one result per scheduled request, in schedule order. A step mixing
-        generation rows with a few rows that end their prompts runs as several graph replays (``_split``):
-        on the GPU machine that costs a few milliseconds where one eager step costs about 14."""
+        """Run one step and wait for it; returns one result per scheduled request, in schedule order."""
+        return self.collect(self.launch(batch))
+
+    def launch(self, batch: SchedulerOutput) -> "Launched":
+        """Queue one step on the device and return without waiting for it (``collect`` waits). A step mixing
+        generation rows with a few rows that end their prompts runs as several graph replays (``_split``): on
+        the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
+        collected group by group here (two groups can replay one graph, whose output buffer the second rewrites)."""
         layout = self.graph_layout(batch)
         groups = self._split(batch) if layout is None else None
         if groups is None:
-            return self._execute(batch, layout)
+            return Launched(batch, self._launch(batch, layout))
         results: list[RowResult | None] = [None] * len(batch.scheduled)
         for rows in groups:  # rows are independent: each group's results equal the packed step's
             sub = SchedulerOutput([batch.scheduled[i] for i in rows])
-            for i, res in zip(rows, self._execute(sub, self.graph_layout(sub))):
+            for i, res in zip(rows, self.collect(Launched(sub, self._launch(sub, self.graph_layout(sub))))):
                 results[i] = res
-        return results
+        return Launched(batch, None, results)
+
+    def collect(self, step: "Launched") -> list[RowResult]:
+        """Wait for a launched step (the one device -> host copy) -> one result per scheduled request."""
+        if step.results is not None:
+            return step.results
+        return self._results(step.batch.scheduled, self._copy_back(step.out) if step.out is not None else [])
 
     @torch.inference_mode()
-    def _execute(self, batch: SchedulerOutput, layout: GraphLayout | None) -> list[RowResult]:
-        """One step in one layout: a graph's, or packed (``layout`` None)."""
+    def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None) -> torch.Tensor | None:
+        """One step in one layout, a graph's or packed (``layout`` None), queued -> its device output: the
+        sampled tokens [S] (None when no row samples)."""
         if layout is None:
-            tokens = self._decode(self.views(self.stage(batch)))
-        else:  # a replay reads the staged record in place: views are made only to capture
-            rec, switches = self.stage_graph(batch, layout)
-            tokens = self.graphs.run(self.graph_key(layout, switches, rec),
-                                     lambda: self._decode(self.graph_views(rec)[2]))
-        tokens = iter(self._copy_back(tokens) if tokens is not None else [])
-        return [RowResult([next(tokens)] if s.sample else []) for s in batch.scheduled]
+            return self._decode(self.views(self.stage(batch)))
+        # a replay reads the staged record in place: views are made only to capture
+        rec, switches = self.stage_graph(batch, layout)
+        return self.graphs.run(self.graph_key(layout, switches, rec), lambda: self._decode(self.graph_views(rec)[2]))
+
+    def _results(self, sched: list[ScheduledRequest], values: list) -> list[RowResult]:
+        """A step's copied-back output (``_launch``) -> one result per scheduled request."""
+        tokens = iter(values)
+        return [RowResult([next(tokens)] if s.sample else []) for s in sched]
 
     def _copy_back(self, out: torch.Tensor) -> list:
         """The step's one device -> host copy; it waits for the stream, so every upload has run too."""

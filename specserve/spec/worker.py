@@ -193,7 +193,7 @@ class SpecDecodeRunner(ModelRunner):
         return t, acc, st.w
 
     @torch.inference_mode()
-    def _execute(self, batch: SchedulerOutput, layout: GraphLayout | None) -> list[RowResult]:
+    def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None) -> torch.Tensor:
         sched = batch.scheduled
         self._host_rows = sched  # test heads read the scheduled rows; device heads never do
         if layout is None:
@@ -202,14 +202,17 @@ class SpecDecodeRunner(ModelRunner):
             t, acc, w = self._spec_views(self._stage_spec(batch, st.q))
             flat = inp.meta.flat_index  # [T]: row * q + column (a graph step's expansion gives both directly)
             t.update(row_of_token=flat // st.q, col_of_token=flat % st.q)
-            out = self._step(inp, t, acc, w)
-        else:  # a replay reads the staged record in place: views are made only to capture
-            rec, switches = self.stage_graph(batch, layout)
-            out = self.graphs.run(self.graph_key(layout, switches, rec),
-                                  lambda: self._step(*self._graph_step_inputs(rec, switches, layout)))
+            return self._step(inp, t, acc, w)
+        # a replay reads the staged record in place: views are made only to capture
+        rec, switches = self.stage_graph(batch, layout)
+        return self.graphs.run(self.graph_key(layout, switches, rec),
+                               lambda: self._step(*self._graph_step_inputs(rec, switches, layout)))
+
+    def _results(self, sched, values: list) -> list[RowResult]:
+        """The step's rows [1 + (D+1) + D, B] as copied back -> per request: accepted count, emitted tokens, drafts."""
         d = self.num_drafts
         results = []
-        for s, row in zip(sched, zip(*self._copy_back(out))):  # the one device -> host copy, by rows
+        for s, row in zip(sched, zip(*values)):
             if not s.sample:
                 results.append(RowResult([]))
                 continue
