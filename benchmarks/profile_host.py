@@ -89,7 +89,8 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0,
     tm.wrap(eng, "_output", "outputs")
     tm.wrap(runner, "stage_graph", "stage")
     tm.wrap(runner, "graph_layout", "layout")
-    tm.wrap(runner._ints, "reserve", "reserve")  # inside "stage": the pinned buffer (and any wait for it)
+    tm.wrap(runner._ints, "reserve", "reserve")  # inside "stage": the pinned buffer (and any wait for it),
+    tm.wrap(runner._ints, "rewrite", "reserve")  # or the same buffer rewritten in place
     tm.wrap(runner._ints, "upload", "upload")  # inside "stage": the copy to the device
     tm.wrap(runner, "launch", "execute")  # the engine's two runner calls: launch (stage + replay), then
     tm.wrap(runner, "collect", "collect")  # collect (the copy back and the per-row results)

@@ -95,3 +95,26 @@ def test_aborting_a_request_whose_step_is_running(dirs, spec):
             final = out if out.finished else final
     assert gone not in seen and final.request_id == keep and final.token_ids == alone
     assert eng.pool.num_free == eng.pool.num_usable
+
+
+def test_a_failed_launch_after_a_collected_step_reports_that_step_first(dirs, monkeypatch):
+    """The call that collects a step and then fails to launch the next returns the collected step's outputs
+    (a request it finished is complete) and raises on the next call, as a synchronous engine would have."""
+    eng = _llm(dirs, "no-spec", True).engine
+    short = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    outs = []
+    while not any(o.finished for o in outs):
+        assert eng._error is None
+        outs = eng.step()
+        if eng._in_flight is not None and any(s.request.request_id == short and s.request.num_output_tokens == 2
+                                              for s in eng._in_flight.batch.scheduled):
+
+            def boom(batch):
+                raise RuntimeError("device lost")
+
+            monkeypatch.setattr(eng.runner, "launch", boom)
+    assert [o.request_id for o in outs if o.finished] == [short] and eng._error is not None
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    assert eng._error is None

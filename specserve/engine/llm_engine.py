@@ -99,6 +99,7 @@ class LLMEngine:
                                            self.thinking_tokens, **runner_kwargs)
         self.async_output = self.device.type == "cuda" if args.async_output is None else args.async_output
         self._in_flight = None  # the step launched and not yet collected (``async_output``)
+        self._error: Exception | None = None  # a failed launch after a collected step, raised by the next step()
         self.spec_stats = SpecStats()
         self.num_steps = 0  # model steps run (benchmarks)
         self.requests: dict[str, Request] = {}
@@ -184,16 +185,24 @@ class LLMEngine:
         builds the outputs of the one it waited for, while the device runs the new one (the host's output work
         hidden behind the device; nothing is launched before the tokens it depends on are known, so the tokens
         are the same). A call then reports the step launched by the call before it."""
+        if self._error is not None:  # the launch after the last collected step failed
+            err, self._error = self._error, None
+            raise err
         pending, self._in_flight = self._in_flight, None
         done = self._collect(pending) if pending is not None else []
-        batch = self.scheduler.schedule()
-        if not batch.empty:
-            self.num_steps += 1
-            launched = self.runner.launch(batch)
-            if self.async_output:
-                self._in_flight = launched
-            else:
-                done += self._collect(launched)
+        try:
+            batch = self.scheduler.schedule()
+            if not batch.empty:
+                self.num_steps += 1
+                launched = self.runner.launch(batch)
+                if self.async_output:
+                    self._in_flight = launched
+                else:
+                    done += self._collect(launched)
+        except Exception as e:  # report what was collected (requests it finished are done); raise on the next call
+            if not done:
+                raise
+            self._error = e
         return [self._report(*x) for x in done]
 
     def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int]]:
