@@ -10,7 +10,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.runner.cuda_graph import CudaGraphs, capture_sizes
 from specserve.runner.graph_inputs import row_fields, stage_record
-from specserve.runner.model_runner import ModelRunner, _Staging
+from specserve.runner.model_runner import ModelRunner
+from specserve.runner.staging import Staging
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 
@@ -99,7 +100,7 @@ def test_a_record_rewritten_in_place_equals_one_staged_whole(dirs, spec, monkeyp
         rec, switches = real_stage(batch, layout)
         last = runner._last_record
         rewritten.append(last.restaged is not None and last.record is rec)
-        scratch = _Staging(torch.int64, torch.device("cpu"))
+        scratch = Staging(torch.int64, torch.device("cpu"))
         ints, tables = row_fields(batch.scheduled, layout.rows, layout.q, runner.block_size, runner.table_lookahead)
         floats: dict = {}
         assert runner._row_params(batch.scheduled, layout.rows, ints, floats) == switches
@@ -139,9 +140,9 @@ def test_graphs_are_recaptured_after_a_staging_buffer_moves():
     """A batch larger than any before grows the staging buffers: every graph is dropped with the memory
     pool they shared, and the next capture must start a new pool (reusing the freed one's handle tripped an
     allocator assertion in the H200 throughput run)."""
-    from specserve.runner.model_runner import _Staging
+    from specserve.runner.staging import Staging
 
-    st = _Staging(torch.float32, torch.device("cuda"), 16)
+    st = Staging(torch.float32, torch.device("cuda"), 16)
     graphs = CudaGraphs(1, [st])
 
     def step():  # reads the staging buffer in place, as a captured step does
@@ -178,9 +179,9 @@ def test_padded_layout_with_the_upload_in_the_step_equals_packed(dirs, spec, mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_an_upload_captured_in_a_graph_reads_the_host_buffer_at_each_replay():
-    from specserve.runner.model_runner import _Staging
+    from specserve.runner.staging import Staging
 
-    st = _Staging(torch.float32, torch.device("cuda"), 16)
+    st = Staging(torch.float32, torch.device("cuda"), 16)
     graphs = CudaGraphs(1, [st])
 
     def step():  # the copy is captured with the step

@@ -31,7 +31,7 @@ class CudaGraphs:
         self.capture = capture  # False (CPU tests): padded fixed layouts, run eagerly without a graph
         self.sizes = capture_sizes(max_rows)
         self.max_rows = max_rows
-        self._staging = staging  # _Staging buffers the graphs read; a reallocation invalidates every graph
+        self._staging = staging  # Staging buffers the graphs read; a reallocation invalidates every graph
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
         self._generation: tuple[int, ...] | None = None

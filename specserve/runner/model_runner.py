@@ -25,6 +25,7 @@ from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
 from specserve.runner.sampler import SamplingTensors, sample
+from specserve.runner.staging import Staging
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -63,73 +64,6 @@ def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor, n: in
         temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], top_k=ints[0], seeds=ints[1],
         offsets=ints[2], all_greedy=all_greedy, needs_filter=needs_filter,
     )
-
-
-class _Staging:
-    """A pinned host buffer and its device twin; ``upload(n)`` copies the first n elements."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, size: int = 0) -> None:
-        self.dtype, self.device = dtype, device
-        self.host = torch.empty(0, dtype=dtype)
-        self.dev = torch.empty(0, dtype=dtype, device=device)
-        self._np = self.host.numpy()
-        self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # n -> (device, host) slices
-        self.generation = 0  # bumped when the device buffer moves (captured CUDA graphs read it in place)
-        self._pending = False  # a copy out of the host buffer may still be running
-        self.version = 0  # bumped by each ``reserve``: a writer that finds its own version may rewrite in place
-        self.reserve(size)
-
-    def reserve(self, n: int) -> np.ndarray:
-        """The host buffer (at least n elements), once the previous copy out of it has run. A step that
-        copies its results back has waited for its stream, upload included (the runner then calls
-        ``synced``); one that samples nothing has not, and the next step would rewrite the buffer under
-        the copy: only then does this wait for the stream (no event per copy on the usual path)."""
-        self._wait()
-        self.version += 1
-        if n > self.host.numel():
-            size = max(n, 2 * self.host.numel(), 1024)
-            pin = self.device.type == "cuda"
-            self.host = torch.empty(size, dtype=self.dtype, pin_memory=pin)
-            self.dev = torch.empty(size, dtype=self.dtype, device=self.device)
-            self._np = self.host.numpy()
-            self._pairs.clear()
-            self.generation += 1
-        return self._np
-
-    def rewrite(self) -> np.ndarray:
-        """The host buffer as its last writer left it, to change part of it in place (``version`` unchanged since
-        that writer's ``reserve``), once the previous copy out of it has run."""
-        self._wait()
-        return self._np
-
-    def _wait(self) -> None:
-        if self._pending:
-            torch.cuda.current_stream(self.device).synchronize()
-            self._pending = False
-
-    def upload(self, n: int) -> None:
-        """Copy the first n elements to the device (asynchronously; nothing to do on the CPU). Inside a CUDA
-        graph capture the copy becomes a node of the graph, which each replay repeats from the host buffer."""
-        if self.device.type != "cpu":
-            pair = self._pairs.get(n)
-            if pair is None:  # slicing costs several µs on a slow host; a graph layout's record size repeats
-                pair = (self.dev[:n], self.host[:n])
-                if len(self._pairs) < 256:  # packed steps' sizes vary: keep the cache bounded
-                    self._pairs[n] = pair
-            pair[0].copy_(pair[1], non_blocking=True)
-            self._pending = True
-
-    def upload_deferred(self) -> None:
-        """The host buffer was written for a copy that a graph replay makes (``upload`` captured)."""
-        self._pending = self.device.type != "cpu"
-
-    def synced(self) -> None:
-        """The device has run past every copy uploaded so far (a blocking copy back on the same stream)."""
-        self._pending = False
-
-    def view(self, n: int) -> torch.Tensor:
-        """The first n uploaded elements as the step reads them (the host buffer itself on the CPU)."""
-        return self.host[:n] if self.device.type == "cpu" else self.dev[:n]
 
 
 @dataclass
@@ -290,9 +224,9 @@ class ModelRunner:
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
         q = 1 + self.graph_q_extra
-        self._ints = _Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 4),
+        self._ints = Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 4),
                                                        6 * max_num_batched_tokens) * 2)
-        self._floats = _Staging(torch.float32, device, 8 * rows)
+        self._floats = Staging(torch.float32, device, 8 * rows)
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
@@ -447,7 +381,7 @@ class ModelRunner:
         """Run one step and wait for it; returns one result per scheduled request, in schedule order."""
         return self.collect(self.launch(batch))
 
-    def launch(self, batch: SchedulerOutput) -> "Launched":
+    def launch(self, batch: SchedulerOutput) -> Launched:
         """Queue one step on the device and return without waiting for it (``collect`` waits). A step mixing
         generation rows with a few rows that end their prompts runs as several graph replays (``_split``): on
         the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
@@ -463,7 +397,7 @@ class ModelRunner:
                 results[i] = res
         return Launched(batch, None, results)
 
-    def collect(self, step: "Launched") -> list[RowResult]:
+    def collect(self, step: Launched) -> list[RowResult]:
         """Wait for a launched step (the one device -> host copy) -> one result per scheduled request."""
         if step.results is not None:
             return step.results

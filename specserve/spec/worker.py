@@ -25,8 +25,9 @@ import torch
 from specserve.cache.kv_cache import KVCache
 from specserve.kernels.draft_inputs import draft_inputs
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, _Staging, sampling_fields,
-                                          sampling_row, sampling_switches, sampling_tensors)
+from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, sampling_fields, sampling_row,
+                                          sampling_switches, sampling_tensors)
+from specserve.runner.staging import Staging
 from specserve.scheduler.scheduler import SchedulerOutput
 from specserve.spec.accept import AcceptInputs, accept
 from specserve.spec.config import SpeculativeConfig
@@ -63,8 +64,8 @@ class SpecDecodeRunner(ModelRunner):
         self.graph_q_extra = d  # a graph step verifies 1 + D tokens per row
         rows = runner_kwargs.get("cuda_graph_max_rows", 0) if device.type == "cuda" else 0
         q = d + 1
-        self._spec_ints = _Staging(torch.int64, device, rows * (q + d + 10 + (q + d + 2) + 4) * 2)
-        self._spec_floats = _Staging(torch.float32, device, 8 * rows)
+        self._spec_ints = Staging(torch.int64, device, rows * (q + d + 10 + (q + d + 2) + 4) * 2)
+        self._spec_floats = Staging(torch.float32, device, 8 * rows)
         super().__init__(model, kv_cache, device, **runner_kwargs)
         n = model.config.num_hidden_layers
         self.head = head
