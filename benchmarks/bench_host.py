@@ -8,7 +8,7 @@ speculation) per row. "views" is what a graph capture adds on top (a replay does
 views and the ops that expand them, run here eagerly on the CPU, timed separately and not part of the step
 figure.
 
-    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5]
+    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt")
+    ap.add_argument("--whole-record", action="store_true",
+                    help="stage every graph step's whole record (no in-place rewrite of the step before's)")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     make_hf_model(root / "t", "llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
@@ -56,6 +58,8 @@ def main() -> None:
             t_views: list[float] = []
 
             def stub(batch):
+                if a.whole_record:
+                    runner._last_record = None
                 t0 = time.perf_counter()
                 layout = runner.graph_layout(batch)
                 rec, switches = runner.stage_graph(batch, layout)
