@@ -129,3 +129,17 @@ def test_several_row_kernels_keep_to_widths_that_fit_their_registers():
 
     assert fits(576, 32, 2) and not fits(960, 32, 2) and not fits(2048, 32, 2)  # gate/up: 32 features, 2 warps
     assert fits(576, 32, 4) and fits(960, 32, 4) and not fits(1536, 32, 4)  # qkv: 16 pairs (32 rows), 4 warps
+
+
+def test_attention_splits_keys_only_where_the_step_has_few_programs():
+    """A decode or verify step of a small batch splits its keys over many programs (flash-decoding; their partial
+    sums merged after); a step that already has MANY_TILES programs takes one split. A prefill of 137 prompts of up
+    to 3,114 tokens (a train-draft regeneration of Python stubs) would otherwise have allocated 12 GiB of partial
+    sums, rows x query tiles x splits, and one of 45.7 GiB ran the H200 out of memory."""
+    from specserve.kernels.attention import MANY_TILES, ONE_SPLIT_KEYS, SPLIT, default_splits
+
+    assert default_splits(ONE_SPLIT_KEYS, 3) == 1  # a short table: one program covers it
+    assert default_splits(8192, 1 * 1 * 3) == 8192 // SPLIT  # batch 1 decode over a graph's whole table
+    assert default_splits(8192, 64 * 1 * 3) > 1  # batch 64 verify: still split
+    assert default_splits(3120, 137 * 149 * 3) == 1  # the regeneration's prefill: no partial sums
+    assert default_splits(640, MANY_TILES - 1) > 1 and default_splits(640, MANY_TILES) == 1
