@@ -133,7 +133,8 @@ def test_several_row_kernels_keep_to_widths_that_fit_their_registers():
 
 def test_attention_splits_keys_only_where_the_step_has_few_programs():
     """A decode or verify step of a small batch splits its keys over many programs (flash-decoding; their partial
-    sums merged after); a step that already has MANY_TILES programs takes one split. A prefill of 137 prompts of up
+    sums merged after), at any batch and KV-head count; a prefill step (several query tiles a row) that already
+    has MANY_TILES programs takes one split. A prefill of 137 prompts of up
     to 3,114 tokens (a train-draft regeneration of Python stubs) would otherwise have allocated 12 GiB of partial
     sums, rows x query tiles x splits, and one of 45.7 GiB ran the H200 out of memory."""
     from specserve.kernels.attention import MANY_TILES, ONE_SPLIT_KEYS, SPLIT, default_splits
@@ -141,5 +142,6 @@ def test_attention_splits_keys_only_where_the_step_has_few_programs():
     assert default_splits(ONE_SPLIT_KEYS, 3) == 1  # a short table: one program covers it
     assert default_splits(8192, 1 * 1 * 3) == 8192 // SPLIT  # batch 1 decode over a graph's whole table
     assert default_splits(8192, 64 * 1 * 3) > 1  # batch 64 verify: still split
-    assert default_splits(3120, 137 * 149 * 3) == 1  # the regeneration's prefill: no partial sums
-    assert default_splits(640, MANY_TILES - 1) > 1 and default_splits(640, MANY_TILES) == 1
+    assert default_splits(8192, 64 * 1 * 8, 1) > 1  # batch 64 decode with Llama-3.1-8B's 8 KV heads: still split
+    assert default_splits(3120, 137 * 149 * 3, 149) == 1  # the regeneration's prefill: no partial sums
+    assert default_splits(640, MANY_TILES - 2, 2) > 1 and default_splits(640, MANY_TILES, 2) == 1

@@ -10,8 +10,9 @@ Work split: one program per (row, query tile, KV head, key split). The query hea
 queries costs about what a decode step costs. Keys are split in ranges of ``SPLIT`` positions so that a
 batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
 once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions,
-or with ``MANY_TILES`` programs or more without splitting, one program covers them all and writes the output itself: no partial buffers, no second launch (there a
-launch costs more than splitting saves; past it, the sweep found the opposite).
+or in a prefill step of ``MANY_TILES`` programs or more without splitting, one program covers them all and
+writes the output itself: no partial buffers, no second launch (there a launch costs more than splitting
+saves; past it, the sweep found the opposite).
 Positions are read on the device, so the launch shape depends only on host-known sizes and the step can be
 captured in a CUDA graph.
 """
@@ -41,16 +42,19 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT = 256  # key positions per split past MIN_SPLITS splits
 MIN_SPLITS = 4  # a table past ONE_SPLIT_KEYS positions splits at least this many ways
 ONE_SPLIT_KEYS = 256  # block tables up to this many positions: one split, no merge kernel
-# A step of this many (row, query tile, KV head) programs fills the GPU without splitting keys: a prefill of
-# many prompts takes one split (its partial sums would grow as rows x tiles x splits: 45 GiB for 512 prompts).
+# A prefill step (rows of several query tiles) of this many (row, query tile, KV head) programs fills the GPU
+# without splitting keys: it takes one split, as its partial sums would grow as rows x tiles x splits (a
+# train-draft regeneration's prefill of long prompts asked the H200 for 45.7 GiB). Decode, verify and draft
+# steps (one query tile a row) split at any batch, whatever the model's KV heads.
 MANY_TILES = 512
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
 
-def default_splits(keys: int, programs: int) -> int:
-    """Key splits of a step with ``keys`` table positions and ``programs`` (row, query tile, KV head) programs."""
-    if keys <= ONE_SPLIT_KEYS or programs >= MANY_TILES:
+def default_splits(keys: int, programs: int, query_tiles: int = 1) -> int:
+    """Key splits of a step with ``keys`` table positions, ``programs`` (row, query tile, KV head) programs and
+    ``query_tiles`` query tiles a row."""
+    if keys <= ONE_SPLIT_KEYS or (query_tiles > 1 and programs >= MANY_TILES):
         return 1
     return max(MIN_SPLITS, -(-keys // SPLIT))
 
@@ -61,7 +65,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
                            q_rows=None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
-    positions or from ``MANY_TILES`` programs and otherwise to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
+    positions or for prefill steps of ``MANY_TILES`` programs and otherwise to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
     ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
     partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
@@ -82,7 +86,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     n_qt = triton.cdiv(qw, qpt)
     keys = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = default_splits(keys, b * n_qt * hkv)
+        num_splits = default_splits(keys, b * n_qt * hkv, n_qt)
     # key positions per split: a power of two (few compiled variants) covering the table
     block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
