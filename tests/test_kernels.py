@@ -131,17 +131,29 @@ def test_several_row_kernels_keep_to_widths_that_fit_their_registers():
     assert fits(576, 32, 4) and fits(960, 32, 4) and not fits(1536, 32, 4)  # qkv: 16 pairs (32 rows), 4 warps
 
 
-def test_attention_splits_keys_only_where_the_step_has_few_programs():
-    """A decode or verify step of a small batch splits its keys over many programs (flash-decoding; their partial
-    sums merged after), at any batch and KV-head count; a prefill step (several query tiles a row) that already
-    has MANY_TILES programs takes one split. A prefill of 137 prompts of up
-    to 3,114 tokens (a train-draft regeneration of Python stubs) would otherwise have allocated 12 GiB of partial
-    sums, rows x query tiles x splits, and one of 45.7 GiB ran the H200 out of memory."""
-    from specserve.kernels.attention import MANY_TILES, ONE_SPLIT_KEYS, SPLIT, default_splits
+def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
+    """A decode or verify step splits its keys over many programs (flash-decoding; their partial sums merged
+    after), at batch 1 and at batch 64, with the default model's 3 KV heads or Llama-3.1-8B's 8, at every draft
+    length; a step whose partial sums (rows x query tiles x KV heads x splits) would pass MAX_PARTIALS takes one
+    split. A train-draft regeneration's prefill of 137 prompts of up to 3,114 tokens asked the H200 for 45.7
+    GiB of them."""
+    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SPLIT, default_splits, partial_bytes,
+                                             query_tiling)
 
-    assert default_splits(ONE_SPLIT_KEYS, 3) == 1  # a short table: one program covers it
-    assert default_splits(8192, 1 * 1 * 3) == 8192 // SPLIT  # batch 1 decode over a graph's whole table
-    assert default_splits(8192, 64 * 1 * 3) > 1  # batch 64 verify: still split
-    assert default_splits(8192, 64 * 1 * 8, 1) > 1  # batch 64 decode with Llama-3.1-8B's 8 KV heads: still split
-    assert default_splits(3120, 137 * 149 * 3, 149) == 1  # the regeneration's prefill: no partial sums
-    assert default_splits(640, MANY_TILES - 2, 2) > 1 and default_splits(640, MANY_TILES, 2) == 1
+    def splits(rows: int, qw: int, hq: int, hkv: int, head_d: int, keys: int) -> int:
+        block_m, _, n_qt = query_tiling(qw, hq // hkv)
+        return default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d))
+
+    assert query_tiling(1 + 4, 9 // 3) == (16, 5, 1)  # the default model's verify step: one tile a row
+    assert query_tiling(1 + 16, 32 // 8) == (64, 16, 2)  # 8B shapes at D = 16: two
+    assert splits(1, 1, 9, 3, 64, ONE_SPLIT_KEYS) == 1  # a short table: one program covers it
+    assert splits(1, 1, 9, 3, 64, 8192) == 8192 // SPLIT  # batch 1 decode over a long table
+    for d in (1, 4, 16):  # every draft length, batch 64
+        assert splits(64, 1 + d, 9, 3, 64, 8192) > 1  # the default model
+        assert splits(64, 1 + d, 32, 8, 128, 4096) > 1  # 8B shapes
+    assert splits(64, 1, 32, 8, 128, 16384) > 1  # 8B batch-64 decode at 16k positions
+    assert splits(137, 3114, 9, 3, 64, 3120) == 1  # the regeneration's prefill: no partial sums
+    assert splits(1, 512, 9, 3, 64, 1024) > 1  # a batch-1 prefill chunk splits as before
+    tile = partial_bytes(16, 64)
+    assert default_splits(1024, MAX_PARTIALS // (4 * tile), tile) == 4
+    assert default_splits(1024, MAX_PARTIALS // (4 * tile) + 1, tile) == 1

@@ -10,8 +10,8 @@ Work split: one program per (row, query tile, KV head, key split). The query hea
 queries costs about what a decode step costs. Keys are split in ranges of ``SPLIT`` positions so that a
 batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
 once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions,
-or in a prefill step of ``MANY_TILES`` programs or more without splitting, one program covers them all and
-writes the output itself: no partial buffers, no second launch (there a launch costs more than splitting
+or where split partial sums would pass ``MAX_PARTIALS`` bytes (a prefill of many long prompts), one program
+covers them all and writes the output itself: no partial buffers, no second launch (there a launch costs more than splitting
 saves; past it, the sweep found the opposite).
 Positions are read on the device, so the launch shape depends only on host-known sizes and the step can be
 captured in a CUDA graph.
@@ -42,21 +42,37 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT = 256  # key positions per split past MIN_SPLITS splits
 MIN_SPLITS = 4  # a table past ONE_SPLIT_KEYS positions splits at least this many ways
 ONE_SPLIT_KEYS = 256  # block tables up to this many positions: one split, no merge kernel
-# A prefill step (rows of several query tiles) of this many (row, query tile, KV head) programs fills the GPU
-# without splitting keys: it takes one split, as its partial sums would grow as rows x tiles x splits (a
-# train-draft regeneration's prefill of long prompts asked the H200 for 45.7 GiB). Decode, verify and draft
-# steps (one query tile a row) split at any batch, whatever the model's KV heads.
-MANY_TILES = 512
+# Split partial sums (float32, per row x query tile x KV head x split) a step may allocate: past this it takes one
+# split. A train-draft regeneration's prefill of 137 long prompts (thousands of programs, which fill the GPU
+# without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
+# model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
+MAX_PARTIALS = 1 << 30
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
 
-def default_splits(keys: int, programs: int, query_tiles: int = 1) -> int:
-    """Key splits of a step with ``keys`` table positions, ``programs`` (row, query tile, KV head) programs and
-    ``query_tiles`` query tiles a row."""
-    if keys <= ONE_SPLIT_KEYS or (query_tiles > 1 and programs >= MANY_TILES):
+def query_tiling(qw: int, g: int) -> tuple[int, int, int]:
+    """Query rows of a program's tile, queries per tile and tiles per row, for rows of ``qw`` queries and ``g``
+    query heads per KV head (a tile packs a query's heads together: GQA heads and a row's 1 + D queries share
+    one ``tl.dot``)."""
+    block_m = max(16, min(64, 1 << (qw * g - 1).bit_length()))  # the next power of two, 16 to 64
+    qpt = max(1, block_m // g)
+    return block_m, qpt, -(-qw // qpt)
+
+
+def default_splits(keys: int, programs: int, tile_bytes: int) -> int:
+    """Key splits of a step with ``keys`` table positions and ``programs`` (row, query tile, KV head)
+    programs, each split's partial sums ``tile_bytes`` a program: one up to ``ONE_SPLIT_KEYS`` positions or where
+    the partial sums would pass ``MAX_PARTIALS``, else ``SPLIT`` positions a split, at least ``MIN_SPLITS``."""
+    if keys <= ONE_SPLIT_KEYS:
         return 1
-    return max(MIN_SPLITS, -(-keys // SPLIT))
+    splits = max(MIN_SPLITS, -(-keys // SPLIT))
+    return 1 if programs * splits * tile_bytes > MAX_PARTIALS else splits
+
+
+def partial_bytes(block_m: int, head_d: int) -> int:
+    """Bytes of one program's partial sums for one split: the accumulator and the running max and sum."""
+    return 4 * block_m * (head_d + 2)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
@@ -65,7 +81,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
                            q_rows=None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
-    positions or for prefill steps of ``MANY_TILES`` programs and otherwise to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
+    positions or past ``MAX_PARTIALS`` bytes of partial sums and otherwise to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
     ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
     partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
@@ -81,18 +97,16 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     if query_pos.stride(0) != query_index.stride(0):  # the kernel indexes both with one row stride
         query_pos = query_pos.contiguous().view(b, qw)
         query_index = query_index.contiguous().view(b, qw)
-    block_m = max(16, min(64, triton.next_power_of_2(qw * g)))
-    qpt = max(1, block_m // g)  # queries per tile
-    n_qt = triton.cdiv(qw, qpt)
+    block_m, qpt, n_qt = query_tiling(qw, g)  # qpt queries per tile, n_qt tiles per row
     keys = block_tables.shape[1] * page
+    head_d = triton.next_power_of_2(d)
     if num_splits is None:
-        num_splits = default_splits(keys, b * n_qt * hkv, n_qt)
+        num_splits = default_splits(keys, b * n_qt * hkv, partial_bytes(block_m, head_d))
     # key positions per split: a power of two (few compiled variants) covering the table
     block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
     launch = dict(kernel_args(q), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself
-    head_d = triton.next_power_of_2(d)
     out = q.new_empty(t, hq, d)
     parts = (1, 1, 1) if final else (b * n_qt, hkv, num_splits)  # partial sums: unused with one split
     part_acc = torch.empty(parts + (block_m, head_d), dtype=torch.float32, device=q.device)
