@@ -6,9 +6,11 @@ tokens/s counts the tokens generated) for max(batch, prompts) requests submitted
 ``max_num_seqs = batch``): batch 1 runs every prompt one after another, so acceptance figures cover the whole
 prompt set whatever the batch size. transformers runs the same requests in static batches of ``batch``. Each configuration is
 warmed up once per batch size (CUDA-graph capture, Triton compilation, allocator growth), then timed
-``repeats`` times with the device synchronised; the reported run is the one with the median wall time. With
-``rounds`` > 1 the specserve engines run alternately that many times (each built, warmed up and timed afresh),
-and each row reports the round with the median tokens/s; the ratios add the median of the per-round ratios,
+``repeats`` times with the device synchronised; the reported run is the one with the median wall time (of an
+even number, the slower middle one). With ``rounds`` > 1 the specserve engines run alternately that many times
+(each built, warmed up and timed afresh), and each row reports the round with the median tokens/s (of an even
+number, the faster middle one: a row is one real round); the ratios add the median of the per-round ratios
+(of an even number, the mean of the middle two),
 since the machine's speed drifts between one engine's runs and the other's.
 """
 
@@ -430,7 +432,7 @@ def _ratios(rows: list[dict]) -> dict:
     for (spec, b), tps in rounds.items():
         if spec and (False, b) in rounds:
             each = sorted(s / p for s, p in zip(tps, rounds[(False, b)]))
-            out[f"specserve+spec / specserve @ batch {b}, median of {len(each)} rounds"] = each[len(each) // 2]
+            out[f"specserve+spec / specserve @ batch {b}, median of {len(each)} rounds"] = statistics.median(each)
     return out
 
 
