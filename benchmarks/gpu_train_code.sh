@@ -2,15 +2,20 @@
 # Run 10 of the shipped EAGLE-3 head (specserve/heads/smollm2-135m-eagle3/TRAINING.md) on the GPU machine, model
 # at /root/model.gguf: run 9's head fine-tuned on the target's answers to Python function stubs in HumanEval's
 # shape (signature + docstring, from benchmarks/python_stubs.py, carried in .traindata; HumanEval itself stays
-# held out), on fresh opener-begun task instructions (as runs 8-9) and on the 2,118 GPTeacher responses.
-#   bash benchmarks/gpu_train_code.sh regen BUDGET   # both regenerations, then train until BUDGET s into the call
-#   TIME_LIMIT=S bash benchmarks/gpu_train_code.sh train STOP   # resume; reaching S seconds exports + evaluates
-# CODE_COUNT stubs (default 16000) and COUNT synthesized instructions (default 12000) are answered. A call's
-# training stops STOP s (plus gpu_train_all.sh's 150 s margin) into the call; keep STOP so that the call, export
-# and evaluation included, ends inside the device's 600 s a call.
+# held out), on fresh opener-begun task instructions (as runs 8-9) and on the 2,118 GPTeacher responses. Run 11
+# (not shipped): NAME=syn7 SEED=4100000 CODE_COUNT=32000 CODE_LIMIT=300 COUNT=6000 TIME_LIMIT=450, regen 560 then
+# train 500, from run 10's head.
+#   bash benchmarks/gpu_train_code.sh regen BUDGET   # both regenerations, then train for what is left of BUDGET
+#                                                    # s into the call, less 60 s for saving the checkpoint
+#   TIME_LIMIT=S bash benchmarks/gpu_train_code.sh train STOP   # resume for at most STOP s of training; the call
+#                                                    # that completes S s of training in all exports + evaluates
+# CODE_COUNT stubs (default 16000) and COUNT synthesized instructions (default 12000) are answered. The run is
+# killed STOP + 150 s after it starts (gpu_train_openers.sh's TRAIN_LIMIT), loading, export and evaluation
+# included: keep that inside the device's 600 s a call. EXTRA_DATA (default: the code data, /root/regen-code)
+# names the data files trained on besides the instructions and GPTeacher responses; empty, none.
 set -uo pipefail
 mode=${1:?regen|train}; arg=${2:?seconds}
-export NAME=${NAME:-syn6} SEED=${SEED:-3100000} EXTRA_DATA=${EXTRA_DATA:-/root/regen-code/data.pt}
+export NAME=${NAME:-syn6} SEED=${SEED:-3100000} EXTRA_DATA=${EXTRA_DATA-/root/regen-code/data.pt}
 if [ "$mode" = regen ]; then
   NOFILES=1 OUT=/tmp/regen-out REGEN_LIMIT=${CODE_LIMIT:-240} bash benchmarks/gpu_train_all.sh regen code \
     --prompts .traindata/python-stubs.jsonl.gz --holdout 0 --max-prompts "${CODE_COUNT:-16000}" \
