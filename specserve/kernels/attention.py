@@ -11,8 +11,8 @@ queries costs about what a decode step costs. Keys are split in ranges of ``SPLI
 batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
 once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions,
 or where split partial sums would pass ``MAX_PARTIALS`` bytes (a prefill of many long prompts), one program
-covers them all and writes the output itself: no partial buffers, no second launch (there a launch costs more than splitting
-saves; past it, the sweep found the opposite).
+covers them all and writes the output itself: no partial buffers, no second launch (there a launch costs
+more than splitting saves; past it, the sweep found the opposite).
 Positions are read on the device, so the launch shape depends only on host-known sizes and the step can be
 captured in a CUDA graph.
 """
@@ -81,8 +81,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
                            q_rows=None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
-    positions or past ``MAX_PARTIALS`` bytes of partial sums and otherwise to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default
-    ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
+    positions or past ``MAX_PARTIALS`` bytes of partial sums and otherwise to ``SPLIT`` positions per split,
+    at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
     partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
     ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
