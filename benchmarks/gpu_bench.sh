@@ -6,7 +6,7 @@
 #                                [attention] [sweep] [spec16] [hf4] [hfc] [profile] [host] [cprofile] [humaneval]
 #                                [gemv] [gemvsteps] [upload] [uploadr] [graphtests] [gputests] [gemvkernels] [diag]
 #                                [host2] [programs] [int8] [lmhead] [tune] [gemvab] [ab] [bars] [scaleall] [attnbench]
-#                                [rows] [hewhole] [hostev]
+#                                [rows] [hewhole]
 # Stage limits (s): tests 420 (the kernel checks compile ~100 signatures of the few-row linears alone);
 # tests-quick 240 (the step-input kernels and the engine-level GPU tests); the twentieth session's 520 s ran out
 # after 31 tests of `tests`, so give each of kernels, graphtests (~250 s: 15 tests in 215 s) and gputests (test_gpu.py
@@ -34,8 +34,8 @@
 # and every Alpaca seed task (175), REPEATS (default 2) timed runs each.
 # rows (~100 s, no model file): bench_rows.py, the several-row kernel's forms and launches against one program per
 # row and cuBLAS; hewhole (40 + 110 x ROUNDS s, default 2 rounds, .traindata carried): every HumanEval prompt at
-# batch 1, EAGLE-3 against no speculation, the engines alternating. hostev (~150 s): profile_host.py on the default
-# model and HEAD with --events (each step's wall time against its replay's device time).
+# batch 1, EAGLE-3 against no speculation, the engines alternating. host (~150 s): profile_host.py on the default
+# model and HEAD; HOST_ARGS=--events adds each step's replay's device time to set its wall time against.
 # Give the device call at least the sum of the stages it runs (one call was killed for less), and do not
 # pipe the whole script through `tail`: a killed call then returns no output at all.
 source "$(dirname "$0")/gpu_env.sh"
@@ -57,8 +57,8 @@ for st in $stages; do
     kernels) vtest 300 tests/test_kernels.py ;;
     gputests) SPECSERVE_TEST_GGUF=$M vtest ${TEST_S:-200} tests/test_gpu.py \
              tests/test_cuda_graph.py::test_pdl_launches_give_the_tokens_of_ordinary_ones ;;
-    host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --json $OUT/host.json 2>&1 | quiet | tail -16 ;;
-    hostev) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --events --json $OUT/hostev.json 2>&1 | quiet | tail -22 ;;
+    host) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD ${HOST_ARGS:-} --json $OUT/host.json 2>&1 \
+          | quiet | tail -22 ;;
     cprofile) timeout 150 python3 benchmarks/profile_host.py --model $M --draft $HEAD --repeats 1 --num-prompts 4 \
              --cprofile 30 --json $OUT/host-cprofile.json 2>&1 | quiet | tail -100 ;;
     sweep) timeout 240 python3 benchmarks/bench_attention.py --sweep --json $OUT/sweep.json 2>&1 | grep -v Warning | tail -16 ;;
