@@ -129,7 +129,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: flat index of each sampling request's last token
+    # [S] int64: flat index of each sampling request's last token; None when every token is one and in order
+    # (a one-token graph layout: a gather kernel fewer per decode step)
+    logits_indices: torch.Tensor | None
     sampling: SamplingTensors | None  # None when no request samples this step
 
 
@@ -357,8 +359,11 @@ class ModelRunner:
             sampling = SamplingTensors(temperature=f["temperature"], top_p=f["top_p"], min_p=f["min_p"],
                                        top_k=f["top_k"], seeds=f["seeds"], offsets=f["offsets"],
                                        all_greedy=all_greedy, needs_filter=needs_filter)
+        # every row of a graph step samples (padding rows as greedy dummies); with one token per row, row i's last
+        # token is token i
+        last = None if q == 1 else x["last"]
         return f, x, StepInputs(input_ids=f["tokens"], positions=x["positions"].view(-1), meta=meta,
-                                logits_indices=x["last"], sampling=sampling)
+                                logits_indices=last, sampling=sampling)
 
     def _expand_args(self, f: dict, rec: Record) -> dict:
         """What ``expand_record`` derives beyond the layout (the speculative runner's drafting inputs)."""
@@ -433,4 +438,5 @@ class ModelRunner:
             return None
         # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
         logits_fn = self.model.lm_logits if inp.sampling.all_greedy else self.model.compute_logits
-        return sample(logits_fn(hidden[inp.logits_indices]), inp.sampling)  # logits [S, V]
+        rows = hidden if inp.logits_indices is None else hidden[inp.logits_indices]  # [S, H]
+        return sample(logits_fn(rows), inp.sampling)  # logits [S, V]
