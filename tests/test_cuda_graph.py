@@ -70,21 +70,23 @@ def test_padded_graph_layout_equals_packed_steps(dirs, spec, n):
 def test_one_token_graph_steps_sample_every_row_without_a_gather(dirs, monkeypatch):
     """A decode graph (one token per row) reads the logits of every hidden row in order, so it takes no
     gather of the rows (``logits_indices`` None); a prefill graph still picks the prompt's last token. Tokens
-    equal packed steps'."""
+    equal packed steps', one row a step (each prompt a prefill graph) and three rows padded to four (greedy and
+    sampled rows: a wrong row order would change them)."""
     ref, _ = _run(dirs, None, 3, padded=False)
-    seen = []  # (tokens per row, no gather) of every graph step
+    seen = []  # (rows, tokens per row, no gather) of every graph step
     graph_views = ModelRunner.graph_views
 
     def views(self, rec):
         out = graph_views(self, rec)
-        seen.append((rec.q, out[2].logits_indices is None))
+        seen.append((rec.rows, rec.q, out[2].logits_indices is None))
         return out
 
     monkeypatch.setattr(ModelRunner, "graph_views", views)
-    got, _ = _run(dirs, None, 3, padded=True, max_num_seqs=1)  # one row a step: each prompt a prefill graph
-    assert got == ref
-    assert any(q == 1 for q, _ in seen) and any(q > 1 for q, _ in seen)
-    assert all(none == (q == 1) for q, none in seen)
+    assert _run(dirs, None, 3, padded=True, max_num_seqs=1)[0] == ref
+    assert any(q > 1 for _, q, _ in seen)  # prefill graphs ran
+    assert _run(dirs, None, 3, padded=True)[0] == ref
+    assert any(rows > 1 and q == 1 for rows, q, _ in seen)  # decode graphs of several rows ran
+    assert all(none == (q == 1) for _, q, none in seen)
 
 
 def test_a_prefill_layout_as_wide_as_a_verify_step_is_not_taken_for_one(dirs, monkeypatch):

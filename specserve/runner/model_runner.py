@@ -129,8 +129,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    # [S] int64: flat index of each sampling request's last token; None when every token is one and in order
-    # (a one-token graph layout: a gather kernel fewer per decode step)
+    # [S] int64: flat index of each sampling request's last token; None when every row samples and row i's last
+    # token is token i (a graph layout of one token per row): ``hidden`` is read in place, one gather fewer
     logits_indices: torch.Tensor | None
     sampling: SamplingTensors | None  # None when no request samples this step
 
