@@ -137,12 +137,11 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     length; a step whose partial sums (rows x query tiles x KV heads x splits) would pass MAX_PARTIALS takes one
     split. A train-draft regeneration's prefill of 137 prompts of up to 3,114 tokens asked the H200 for 45.7
     GiB of them."""
-    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SPLIT, default_splits, partial_bytes,
-                                             query_tiling)
+    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SPLIT, default_splits, launch_shape,
+                                             partial_bytes, query_tiling)
 
     def splits(rows: int, qw: int, hq: int, hkv: int, head_d: int, keys: int) -> int:
-        block_m, _, n_qt = query_tiling(qw, hq // hkv)
-        return default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d))
+        return launch_shape(rows, qw, hq // hkv, hkv, head_d, keys)[3]  # as paged_attention_triton launches
 
     assert query_tiling(1 + 4, 9 // 3) == (16, 5, 1)  # the default model's verify step: one tile a row
     assert query_tiling(1 + 16, 32 // 8) == (64, 16, 2)  # 8B shapes at D = 16: two

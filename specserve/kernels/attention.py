@@ -75,6 +75,14 @@ def partial_bytes(block_m: int, head_d: int) -> int:
     return 4 * block_m * (head_d + 2)
 
 
+def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int) -> tuple[int, int, int, int]:
+    """A step of ``rows`` rows of ``qw`` queries, ``g`` query heads per KV head, ``hkv`` KV heads, head size
+    ``head_d`` (a power of two) and ``keys`` table positions -> (query rows of a tile, queries per tile, tiles
+    per row, default key splits)."""
+    block_m, qpt, n_qt = query_tiling(qw, g)
+    return block_m, qpt, n_qt, default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d))
+
+
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None, flat_index=None,
@@ -82,7 +90,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions or past ``MAX_PARTIALS`` bytes of partial sums and otherwise to ``SPLIT`` positions per split,
-    at least ``MIN_SPLITS`` splits; ``block_n`` (keys per inner iteration, default ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
+    at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per inner iteration, default
+    ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
     partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
     ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
@@ -97,11 +106,11 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     if query_pos.stride(0) != query_index.stride(0):  # the kernel indexes both with one row stride
         query_pos = query_pos.contiguous().view(b, qw)
         query_index = query_index.contiguous().view(b, qw)
-    block_m, qpt, n_qt = query_tiling(qw, g)  # qpt queries per tile, n_qt tiles per row
     keys = block_tables.shape[1] * page
     head_d = triton.next_power_of_2(d)
-    if num_splits is None:
-        num_splits = default_splits(keys, b * n_qt * hkv, partial_bytes(block_m, head_d))
+    # qpt queries per tile, n_qt tiles per row
+    block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys)
+    num_splits = auto_splits if num_splits is None else num_splits
     # key positions per split: a power of two (few compiled variants) covering the table
     block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
