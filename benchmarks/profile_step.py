@@ -11,6 +11,7 @@ kernels, the gaps between a step's kernels and idle time between steps (the host
         --context 512 --json prof.json
     python benchmarks/profile_step.py --model /root/model.gguf --draft specserve/heads/smollm2-135m-eagle3
     python benchmarks/profile_step.py --model /root/model.gguf --no-spec
+    python benchmarks/profile_step.py --summarize prof.json   # a saved timeline's per-layer kernel costs
 """
 
 from __future__ import annotations
@@ -72,6 +73,34 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline
             "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows], "timeline": order}
 
 
+def layer_costs(order: list[dict], first: str = "_qkv") -> tuple[list[tuple[str, float]], int]:
+    """One step's kernels in launch order (``profile``'s timeline: each kernel's duration and the gap after the
+    kernel before it) -> the mean cost of each kernel of a decoder layer, and the number of layers averaged. A
+    kernel's cost is how far it moves the latest kernel end (with PDL kernels overlap, so durations overstate
+    it); a layer runs from one kernel whose name starts with ``first`` to the next (the last layer, followed
+    by the output layer, is left out)."""
+    cost, prev_end, latest = [], 0.0, 0.0
+    for i, k in enumerate(order):
+        start = prev_end + k["gap_us"] if i else 0.0
+        prev_end = start + k["us"]
+        cost.append(max(0.0, prev_end - latest))
+        latest = max(latest, prev_end)
+    starts = [i for i, k in enumerate(order) if k["name"].startswith(first)]
+    layers = [range(a, b) for a, b in zip(starts, starts[1:])]
+    if not layers:
+        return [], 0
+    width = min(len(r) for r in layers)
+    means = [(order[layers[0][j]]["name"], sum(cost[r[j]] for r in layers) / len(layers)) for j in range(width)]
+    return means, len(layers)
+
+
+def print_layer_costs(order: list[dict]) -> None:
+    means, n = layer_costs(order)
+    if n:
+        parts = ", ".join(f"{name[:24]} {us:.2f}" for name, us in means)
+        print(f"a layer's kernels, cost in us (mean of {n} layers): {parts}; layer {sum(u for _, u in means):.2f}")
+
+
 def main() -> None:
     from specserve import LLM
 
@@ -92,7 +121,13 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="also list one step's kernels in launch order with their durations and the gaps before them")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--summarize", metavar="JSON", default=None,
+                    help="only print the per-layer kernel costs of a timeline saved with --timeline --json")
     a = ap.parse_args()
+    if a.summarize:
+        with open(a.summarize) as f:
+            print_layer_costs(json.load(f)["timeline"])
+        return
     spec = None
     if not a.no_spec:
         spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len)
@@ -108,6 +143,7 @@ def main() -> None:
           f"{res['gaps_in_steps_us_per_step']:.0f} us and idle (> 40 us, the host) {res['idle_us_per_step']:.0f} us")
     for k in res["kernels"][:a.top]:
         print(f"{k['us']:9.1f} us  x{k['count']:5.1f}  {k['name'][:110]}")
+    print_layer_costs(res["timeline"])
     for i, k in enumerate(res["timeline"]):
         print(f"{i:4d} {k['us']:7.2f} us  gap {k['gap_us']:6.2f}  {k['name'][:100]}")
     if a.json:
