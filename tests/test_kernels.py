@@ -131,6 +131,18 @@ def test_several_row_kernels_keep_to_widths_that_fit_their_registers():
     assert fits(576, 32, 4) and fits(960, 32, 4) and not fits(1536, 32, 4)  # qkv: 16 pairs (32 rows), 4 warps
 
 
+def test_merged_o_projection_of_several_rows_takes_wider_programs():
+    """Each program of the o projection that merges an attention step's splits merges its row again, so steps of
+    several rows take twice the features per program of other projections (fewer merges), one-row steps keep
+    theirs, and a program never covers more than the padded output width."""
+    pytest.importorskip("triton")
+    from specserve.kernels import gemv
+
+    assert gemv.merge_block_n(576, 576, 5) == 2 * gemv.block_n(576, 576, 5) == 16  # the default model's verify
+    assert gemv.merge_block_n(576, 576, 1) == gemv.block_n(576, 576, 1)
+    assert gemv.merge_block_n(40, 96, 5) == 64 == gemv.block_n(40, 96, 5)  # already the whole output
+
+
 def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     """A decode or verify step splits its keys over many programs (flash-decoding; their partial sums merged
     after), at batch 1 and at batch 64, with the default model's 3 KV heads or Llama-3.1-8B's 8, at every draft

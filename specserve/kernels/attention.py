@@ -47,6 +47,9 @@ ONE_SPLIT_KEYS = 256  # block tables up to this many positions: one split, no me
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
+# Launch overrides for measurements, SPECSERVE_ATTN="splits1=8,splitsN=8,bn1=64,bnN=64": key splits of steps that
+# split (splits1: one query per row, decode; splitsN: several, verify) and key positions per inner iteration
+OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in os.environ.get("SPECSERVE_ATTN", "").split(",") if item)}
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -80,7 +83,11 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int) -
     ``head_d`` (a power of two) and ``keys`` table positions -> (query rows of a tile, queries per tile, tiles
     per row, default key splits)."""
     block_m, qpt, n_qt = query_tiling(qw, g)
-    return block_m, qpt, n_qt, default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d))
+    splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d))
+    over = OVERRIDE.get("splits1" if qw == 1 else "splitsN")
+    if over and splits > 1:
+        splits = over
+    return block_m, qpt, n_qt, splits
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
@@ -112,7 +119,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys)
     num_splits = auto_splits if num_splits is None else num_splits
     # key positions per split: a power of two (few compiled variants) covering the table
-    block_n = block_n or (BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
+    block_n = block_n or OVERRIDE.get("bn1" if qw == 1 else "bnN") or (
+        BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
     launch = dict(kernel_args(q), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself

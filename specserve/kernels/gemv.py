@@ -63,6 +63,10 @@ WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
 # programmatic dependent launch (kernels/pdl.py) a kernel's successor overlaps it only once all its programs have
 # started, so fewer, wider programs won (docs/BENCHMARKS.md, nineteenth session). SPECSERVE_GEMV_WIDE=1: the rules.
 WIDE = max(1, int(os.environ.get("SPECSERVE_GEMV_WIDE", "2")))
+# Features per program of several-row steps through chosen weights, for measurements: "NxK:BN,..." (e.g.
+# SPECSERVE_GEMV_BN=576x576:32 for the default model's o projection), in place of ``block_n``'s rules.
+BN_OVERRIDE = {tuple(int(v) for v in key.split("x")): int(bn) for key, bn in
+               (item.split(":") for item in os.environ.get("SPECSERVE_GEMV_BN", "").split(",") if item)}
 
 
 def gemv_enabled(x: torch.Tensor, k: int) -> bool:
@@ -79,6 +83,8 @@ def block_n(n: int, k: int, t: int = 1) -> int:
     takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs); then ``WIDE`` times that
     (a 1 + 4-token verify step's gate/up projection: 960 programs, on this kernel instead of cuBLAS)."""
     bn = max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
+    if t > 1 and (n, k) in BN_OVERRIDE:
+        return BN_OVERRIDE[n, k]
     if t > 1:
         if k > 1024:
             bn *= 2
@@ -193,7 +199,7 @@ def merged_linear(parts, weight, bias=None, stream=None, norm_weight=None):
             or not _fusable(x, weight, stream, norm_weight, bias)):
         return None
     t, (n, k) = x.shape[0], weight.shape
-    bn = block_n(n, k, t)
+    bn = merge_block_n(n, k, t)
     if not _programs_ok(triton.cdiv(n, bn), t):
         return None
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
@@ -202,6 +208,17 @@ def merged_linear(parts, weight, bias=None, stream=None, norm_weight=None):
                    None if scaled is None else (scaled, norm_weight), merge=parts):
         return None
     return out, scaled
+
+
+def merge_block_n(n: int, k: int, t: int) -> int:
+    """Output features per program of ``merged_linear``: twice ``block_n``'s for several rows. Each program
+    merges its row's splits again, so fewer, wider programs merge less often: a 1 + 4-token verify step of the
+    default model (o projection 16 features a program, 180 programs, against 8 and 360) took 34-38 µs less on
+    the H200 at contexts 256 and 512 (docs/BENCHMARKS.md, twenty-seventh session)."""
+    bn = block_n(n, k, t)
+    if t == 1 or (n, k) in BN_OVERRIDE:
+        return bn
+    return min(2 * bn, triton.next_power_of_2(n))
 
 
 def takes_kernel(n: int, k: int, t: int) -> bool:
