@@ -15,7 +15,8 @@ from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_rows, c
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.argmax import CHUNK, argmax_lastdim
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa, paged_attention_triton
+from specserve.kernels.attention import (SHORT_SPLIT, AttnPartials, _flat_index, paged_attention_flex,
+                                         paged_attention_sdpa, paged_attention_triton)
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
@@ -116,6 +117,13 @@ def check_attention(device, dtype):
         for window, ns in ((8, 1), (100, None)) if QUICK else ((8, None), (8, 1), (100, None), (100, 1)):
             _close(paged_attention_triton(*args, sliding_window=window, num_splits=ns),
                    paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}, {ns}")
+        # a short table (256 positions) of decode and verify rows whose consumer merges: SHORT_SPLIT-key splits,
+        # each walked in iterations of its own width
+        short = (args[0][:6], kc, vc, tables[:2, :256 // bs].to(device), qidx[:2, :5].clamp(max=6).to(device),
+                 qpos[:2, :5].to(device), d ** -0.5)
+        parts = paged_attention_triton(*short, flat_index=_flat_index(short[4], 6), split_short=True)
+        assert isinstance(parts, AttnPartials) and parts.num_splits == 256 // SHORT_SPLIT, "a short table did not split"
+        _close(parts.merge(), paged_attention_sdpa(*short), dtype, f"short table in splits {hq}/{hkv}/{d}")
 
 
 @kernel_check

@@ -147,10 +147,10 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     """A decode or verify step splits its keys over many programs (flash-decoding; their partial sums merged
     after), at batch 1 and at batch 64, with the default model's 3 KV heads or Llama-3.1-8B's 8, at every draft
     length; a step whose partial sums (rows x query tiles x KV heads x splits) would pass MAX_PARTIALS takes one
-    split. A train-draft regeneration's prefill of 137 prompts of up to 3,114 tokens asked the H200 for 45.7
+    split; a short table splits only for a small decode or verify step whose o projection merges the splits. A train-draft regeneration's prefill of 137 prompts of up to 3,114 tokens asked the H200 for 45.7
     GiB of them."""
-    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SPLIT, default_splits, launch_shape,
-                                             partial_bytes, query_tiling)
+    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SHORT_SPLIT, SPLIT, default_splits,
+                                             launch_shape, partial_bytes, query_tiling)
 
     def splits(rows: int, qw: int, hq: int, hkv: int, head_d: int, keys: int) -> int:
         return launch_shape(rows, qw, hq // hkv, hkv, head_d, keys)[3]  # as paged_attention_triton launches
@@ -165,6 +165,13 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     assert splits(64, 1, 32, 8, 128, 16384) > 1  # 8B batch-64 decode at 16k positions
     assert splits(137, 3114, 9, 3, 64, 3120) == 1  # the regeneration's prefill: no partial sums
     assert splits(1, 512, 9, 3, 64, 1024) > 1  # a batch-1 prefill chunk splits as before
+    # a short table splits where the o projection merges the splits (split_short): small decode and verify steps
+    short = launch_shape(1, 1 + 4, 3, 3, 64, ONE_SPLIT_KEYS, split_short=True)[3]
+    assert short == ONE_SPLIT_KEYS // SHORT_SPLIT == 4  # the default model's batch-1 verify at 256 positions
+    assert launch_shape(1, 1, 3, 3, 64, 128, split_short=True)[3] == 2  # decode over a shorter (eager) table
+    assert launch_shape(64, 1 + 4, 3, 3, 64, 256, split_short=True)[3] == 1  # 192 programs fill the GPU anyway
+    assert launch_shape(1, 300, 3, 3, 64, 256, split_short=True)[3] == 1  # a prefill chunk: tiles of 64 rows
+    assert launch_shape(1, 1 + 4, 3, 3, 64, 512, split_short=True) == launch_shape(1, 1 + 4, 3, 3, 64, 512)
     tile = partial_bytes(16, 64)
     assert default_splits(1024, MAX_PARTIALS // (4 * tile), tile) == 4
     assert default_splits(1024, MAX_PARTIALS // (4 * tile) + 1, tile) == 1

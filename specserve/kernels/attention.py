@@ -41,14 +41,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # table positions 4 splits of 128 keys took 6.8 us against 11.3 us for one split in 64-key iterations.
 SPLIT = 256  # key positions per split past MIN_SPLITS splits
 MIN_SPLITS = 4  # a table past ONE_SPLIT_KEYS positions splits at least this many ways
-ONE_SPLIT_KEYS = 256  # block tables up to this many positions: one split, no merge kernel
+ONE_SPLIT_KEYS = 256  # block tables up to this many positions: SHORT_SPLIT positions a split, or one split
+# A short table splits too where the o projection merges the splits in its prologue (no merge kernel:
+# ``split_short``) and a decode or verify step (tiles of at most 32 query rows; not prefill chunks) has at most
+# SHORT_PROGRAMS (row, query tile, KV head) programs, in SHORT_SPLIT-position splits (at most MIN_SPLITS). At 256 positions (batch 1, bf16, H200; docs/BENCHMARKS.md, twenty-seventh session) 4
+# splits of 64 keys made a 1 + 4-token verify step 84 us shorter (0.644 -> 0.560 ms) and a decode step 22 us.
+SHORT_SPLIT = 64
+SHORT_PROGRAMS = 32
 # Split partial sums (float32, per row x query tile x KV head x split) a step may allocate: past this it takes one
 # split. A train-draft regeneration's prefill of 137 long prompts (thousands of programs, which fill the GPU
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
-# Launch overrides for measurements, SPECSERVE_ATTN="splits1=8,splitsN=8,bn1=64,bnN=64": key splits of steps that
-# split (splits1: one query per row, decode; splitsN: several, verify) and key positions per inner iteration
+# Launch overrides for measurements, SPECSERVE_ATTN="splits1=8,splitsN=8,bn1=64,bnN=64": key splits (splits1: steps
+# of one query per row, decode; splitsN: of several, verify and prefill steps that split; also short tables of
+# decode and verify steps) and key positions per inner iteration
 OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in os.environ.get("SPECSERVE_ATTN", "").split(",") if item)}
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
@@ -63,12 +70,14 @@ def query_tiling(qw: int, g: int) -> tuple[int, int, int]:
     return block_m, qpt, -(-qw // qpt)
 
 
-def default_splits(keys: int, programs: int, tile_bytes: int) -> int:
+def default_splits(keys: int, programs: int, tile_bytes: int, short: bool = False) -> int:
     """Key splits of a step with ``keys`` table positions and ``programs`` (row, query tile, KV head)
-    programs, each split's partial sums ``tile_bytes`` a program: one up to ``ONE_SPLIT_KEYS`` positions or where
-    the partial sums would pass ``MAX_PARTIALS``, else ``SPLIT`` positions a split, at least ``MIN_SPLITS``."""
+    programs, each split's partial sums ``tile_bytes`` a program: up to ``ONE_SPLIT_KEYS`` positions
+    ``SHORT_SPLIT`` positions a split for a step of few programs (``short``: decode and verify tiles), else one;
+    one where the partial sums would pass ``MAX_PARTIALS``; else ``SPLIT`` positions a split, at least
+    ``MIN_SPLITS``."""
     if keys <= ONE_SPLIT_KEYS:
-        return 1
+        return max(1, min(MIN_SPLITS, keys // SHORT_SPLIT)) if short and programs <= SHORT_PROGRAMS else 1
     splits = max(MIN_SPLITS, -(-keys // SPLIT))
     return 1 if programs * splits * tile_bytes > MAX_PARTIALS else splits
 
@@ -78,14 +87,17 @@ def partial_bytes(block_m: int, head_d: int) -> int:
     return 4 * block_m * (head_d + 2)
 
 
-def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int) -> tuple[int, int, int, int]:
+def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
+                 split_short: bool = False) -> tuple[int, int, int, int]:
     """A step of ``rows`` rows of ``qw`` queries, ``g`` query heads per KV head, ``hkv`` KV heads, head size
     ``head_d`` (a power of two) and ``keys`` table positions -> (query rows of a tile, queries per tile, tiles
-    per row, default key splits)."""
+    per row, default key splits). ``split_short``: the splits' merge costs no kernel of its own (the o
+    projection merges them), so a short table of a decode or verify step splits too."""
     block_m, qpt, n_qt = query_tiling(qw, g)
-    splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d))
+    splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
+                            short=split_short and block_m <= 32)
     over = OVERRIDE.get("splits1" if qw == 1 else "splitsN")
-    if over and splits > 1:
+    if over and (splits > 1 or qw <= 16):  # not prefill chunks' one split
         splits = over
     return block_m, qpt, n_qt, splits
 
@@ -93,11 +105,12 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int) -
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None, flat_index=None,
-                           q_rows=None):
+                           q_rows=None, split_short: bool = False):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
-    positions or past ``MAX_PARTIALS`` bytes of partial sums and otherwise to ``SPLIT`` positions per split,
-    at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per inner iteration, default
+    positions (``SHORT_SPLIT`` positions per split for a small decode or verify step with ``split_short`` and
+    ``flat_index``: its consumer merges the splits) or past ``MAX_PARTIALS`` bytes of partial sums and otherwise
+    to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per inner iteration, default
     ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
     --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
     partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
@@ -116,11 +129,13 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     keys = block_tables.shape[1] * page
     head_d = triton.next_power_of_2(d)
     # qpt queries per tile, n_qt tiles per row
-    block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys)
+    block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys, split_short and flat_index is not None)
     num_splits = auto_splits if num_splits is None else num_splits
     # key positions per split: a power of two (few compiled variants) covering the table
-    block_n = block_n or OVERRIDE.get("bn1" if qw == 1 else "bnN") or (
-        BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
+    # keys per inner iteration: at most a split's share of the table, so that every split has keys to walk
+    block_n = block_n or OVERRIDE.get("bn1" if qw == 1 else "bnN") or max(16, min(
+        BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE,
+        triton.next_power_of_2(triton.cdiv(keys, num_splits))))
     span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
     launch = dict(kernel_args(q), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself

@@ -71,9 +71,13 @@ BN_OVERRIDE = {tuple(int(v) for v in key.split("x")): int(bn) for key, bn in
 
 def gemv_enabled(x: torch.Tensor, k: int) -> bool:
     """Whether a step with input ``x`` [T, *] and reduced width ``k`` takes these kernels."""
-    return (use_triton(x) and os.environ.get("SPECSERVE_GEMV", "1") != "0" and kernel_usable("gemv")
-            and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and k <= MAX_K and x.stride(-1) == 1
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return x.dim() == 2 and x.stride(-1) == 1 and _rows_enabled(x, x.shape[0], k)
+
+
+def _rows_enabled(like: torch.Tensor, t: int, k: int) -> bool:
+    """Whether a ``t``-row step of ``like``'s dtype and device with reduced width ``k`` takes these kernels."""
+    return (use_triton(like) and os.environ.get("SPECSERVE_GEMV", "1") != "0" and kernel_usable("gemv")
+            and 0 < t <= MAX_ROWS and k <= MAX_K and like.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def block_n(n: int, k: int, t: int = 1) -> int:
@@ -219,6 +223,14 @@ def merge_block_n(n: int, k: int, t: int) -> int:
     if t == 1 or (n, k) in BN_OVERRIDE:
         return bn
     return min(2 * bn, triton.next_power_of_2(n))
+
+
+def merges_splits(q: torch.Tensor, weight: torch.Tensor, t: int) -> bool:
+    """Whether ``merged_linear`` takes the o projection through ``weight`` [N, K] of a ``t``-row attention step
+    whose queries are ``q`` [*, Hq, D] (their dtype and device), merging its key splits in the prologue."""
+    n, k = weight.shape
+    return (MERGE_FOLD and _rows_enabled(q, t, k) and kernel_usable("gemv_merge") and weight.stride(1) == 1
+            and _programs_ok(triton.cdiv(n, merge_block_n(n, k, t)), t))
 
 
 def takes_kernel(n: int, k: int, t: int) -> bool:

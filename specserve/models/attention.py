@@ -44,9 +44,10 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, defer_merge: bool = False, q_rows=None):
+                    scale: float, defer_merge: bool = False, q_rows=None, split_short: bool = False):
     """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]. ``defer_merge``: the Triton
-    kernel's split partial sums may come back unmerged (``AttnPartials``) for the caller to merge. ``q_rows``
+    kernel's split partial sums may come back unmerged (``AttnPartials``) for the caller to merge;
+    ``split_short``: the caller merges them at no kernel of its own, so a short table may split too. ``q_rows``
     [T'] (int64): attention for the queries q[q_rows] only (the layout ``meta`` has T' flat tokens) -> [T', Hq,
     D]; the Triton kernel reads those rows in place, the references gather them."""
     backend = meta.backend
@@ -58,5 +59,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                     mask=meta.sdpa_mask(k_cache.shape[1]))
     return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                   meta.sliding_window, flat_index=meta.flat_index if defer_merge else None,
-                                  q_rows=q_rows)
+                                  q_rows=q_rows, split_short=defer_merge and split_short)
 

@@ -17,7 +17,7 @@ from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.attention import AttnPartials
 from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, fused_linear, linear_add_scaled,
-                                    merged_linear)
+                                    merged_linear, merges_splits)
 from specserve.kernels.gemv_rows import rows_projection, rows_takes
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
@@ -114,8 +114,9 @@ class Attention(nn.Module):
     def _attend(self, q, meta, k_cache, v_cache, fold=None, stream=None, q_rows=None):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``);
         with ``q_rows`` [N], for the queries q[q_rows] only -> [N, H]."""
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD,
-                              q_rows=q_rows)  # [T or N, Hq, D]
+        t = q.shape[0] if q_rows is None else q_rows.shape[0]
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD, q_rows=q_rows,
+                              split_short=merges_splits(q, self.o_proj.weight, t))  # [T or N, Hq, D]
         if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
             folded = () if fold is None else (stream, fold.weight)
             o = merged_linear(out, self.o_proj.weight, self.o_proj.bias, *folded)
