@@ -217,7 +217,7 @@ def merged_linear(parts, weight, bias=None, stream=None, norm_weight=None):
 def merge_block_n(n: int, k: int, t: int) -> int:
     """Output features per program of ``merged_linear``: twice ``block_n``'s for several rows. Each program
     merges its row's splits again, so fewer, wider programs merge less often: a 1 + 4-token verify step of the
-    default model (o projection 16 features a program, 180 programs, against 8 and 360) took 34-38 µs less on
+    default model (o projection 16 features a program, 180 programs, against 8 and 360) took 34-39 µs less on
     the H200 at contexts 256 and 512 (docs/BENCHMARKS.md, twenty-seventh session)."""
     bn = block_n(n, k, t)
     if t == 1 or (n, k) in BN_OVERRIDE:
