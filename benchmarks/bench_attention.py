@@ -68,6 +68,8 @@ def sweep(json_path: str | None) -> None:
         qpos = qpos - (width * 16 - 8 - context)  # positions end at `context`: the table is wider than needed
         ref = paged_attention_sdpa(x, kc, vc, tables, qidx, qpos, scale)
         d = SHAPES[shape][2]
+        # default_us: the kernel's default launch for a caller that does not merge the splits itself (up to
+        # ONE_SPLIT_KEYS positions one split; the engine's o projection merges them, and such tables split)
         res = dict(shape=shape, q=q, context=context, keys=width * 16,
                    default_us=graph_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale)))
         variants = {}

@@ -117,13 +117,22 @@ def check_attention(device, dtype):
         for window, ns in ((8, 1), (100, None)) if QUICK else ((8, None), (8, 1), (100, None), (100, 1)):
             _close(paged_attention_triton(*args, sliding_window=window, num_splits=ns),
                    paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}, {ns}")
-        # a short table (256 positions) of decode and verify rows whose consumer merges: SHORT_SPLIT-key splits,
-        # each walked in iterations of its own width
-        short = (args[0][:6], kc, vc, tables[:2, :256 // bs].to(device), qidx[:2, :5].clamp(max=6).to(device),
-                 qpos[:2, :5].to(device), d ** -0.5)
-        parts = paged_attention_triton(*short, flat_index=_flat_index(short[4], 6), split_short=True)
-        assert isinstance(parts, AttnPartials) and parts.num_splits == 256 // SHORT_SPLIT, "a short table did not split"
-        _close(parts.merge(), paged_attention_sdpa(*short), dtype, f"short table in splits {hq}/{hkv}/{d}")
+        # short tables (256 positions, and 176) of a verify row ending at position 170 and a decode row at 130,
+        # whose consumer merges: SHORT_SPLIT-key splits, each walked in iterations of its own width; the same
+        # outputs at both widths, to the bit
+        sq = torch.randn(6, hq, d, generator=g).to(device, dtype)
+        s_idx = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 6, 6, 6]], device=device)
+        s_pos = torch.tensor([[166, 167, 168, 169, 170], [130, 0, 0, 0, 0]], device=device)
+        s_tab = (torch.randperm(n_blocks - 1, generator=g)[:2 * 16] + 1).view(2, 16).to(device)
+        got = {}
+        for keys in (256, 176):
+            short = (sq, kc, vc, s_tab[:, :keys // bs], s_idx, s_pos, d ** -0.5)
+            parts = paged_attention_triton(*short, flat_index=_flat_index(s_idx, 6), split_short=True)
+            assert isinstance(parts, AttnPartials) and parts.num_splits == -(-keys // SHORT_SPLIT), \
+                f"a short table of {keys} positions did not split in {SHORT_SPLIT}-key splits"
+            got[keys] = parts.merge()
+            _close(got[keys], paged_attention_sdpa(*short), dtype, f"short table {keys} in splits {hq}/{hkv}/{d}")
+        assert torch.equal(got[256], got[176]), f"short tables of 256 and 176 positions differ {hq}/{hkv}/{d}"
 
 
 @kernel_check

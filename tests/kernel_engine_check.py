@@ -85,10 +85,10 @@ for var in ("SPECSERVE_NORM_FOLD", "SPECSERVE_GEMV_ROWS", "SPECSERVE_GEMV_ROWS_O
 same = run("triton", True, True, "e3v") == ref
 bad += not same
 print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)
-# attention split in 16-key ranges (this tiny context otherwise takes one split): the o projection merges the
-# partial sums in its prologue (gemv.merged_linear; with the defaults, verify steps of at least gemv_rows.MIN_ROWS
-# rows fold the norm, so it also writes the stream and its scaled copy); the full run also checks the merge
-# kernel, the fold off
+# attention split in 16-key ranges (this tiny context otherwise takes 64-key splits or one): the o projection
+# merges the partial sums in its prologue (gemv.merged_linear; with the defaults, verify steps of at least
+# gemv_rows.MIN_ROWS rows fold the norm, so it also writes the stream and its scaled copy); the full run also
+# checks the merge kernel, the fold off
 import specserve.kernels.attention as attention  # noqa: E402
 
 attention.ONE_SPLIT_KEYS, attention.BLOCK_N_WIDE = 0, 16

@@ -147,8 +147,10 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     """A decode or verify step splits its keys over many programs (flash-decoding; their partial sums merged
     after), at batch 1 and at batch 64, with the default model's 3 KV heads or Llama-3.1-8B's 8, at every draft
     length; a step whose partial sums (rows x query tiles x KV heads x splits) would pass MAX_PARTIALS takes one
-    split; a short table splits only for a small decode or verify step whose o projection merges the splits. A train-draft regeneration's prefill of 137 prompts of up to 3,114 tokens asked the H200 for 45.7
-    GiB of them."""
+    split; a short table splits only for a small decode or verify step whose o projection merges the splits (at
+    most as many splits as that merge takes). A train-draft regeneration's prefill of 137 prompts of up to 3,114
+    tokens asked the H200 for 45.7 GiB of them."""
+    from specserve.kernels import gemv
     from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SHORT_SPLIT, SPLIT, default_splits,
                                              launch_shape, partial_bytes, query_tiling)
 
@@ -172,6 +174,8 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     assert launch_shape(64, 1 + 4, 3, 3, 64, 256, split_short=True)[3] == 1  # 192 programs fill the GPU anyway
     assert launch_shape(1, 300, 3, 3, 64, 256, split_short=True)[3] == 1  # a prefill chunk: tiles of 64 rows
     assert launch_shape(1, 1 + 4, 3, 3, 64, 512, split_short=True) == launch_shape(1, 1 + 4, 3, 3, 64, 512)
+    assert launch_shape(1, 1, 3, 3, 64, 176, split_short=True)[3] == 3  # a packed step's table: 64-key splits
+    assert ONE_SPLIT_KEYS // SHORT_SPLIT <= gemv.MERGE_MAX_SPLITS  # the o projection merges every short split
     tile = partial_bytes(16, 64)
     assert default_splits(1024, MAX_PARTIALS // (4 * tile), tile) == 4
     assert default_splits(1024, MAX_PARTIALS // (4 * tile) + 1, tile) == 1

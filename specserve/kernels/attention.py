@@ -12,7 +12,9 @@ batch of one still spreads over many SMs (flash-decoding); a split past a row's 
 once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions,
 or where split partial sums would pass ``MAX_PARTIALS`` bytes (a prefill of many long prompts), one program
 covers them all and writes the output itself: no partial buffers, no second launch (there a launch costs
-more than splitting saves; past it, the sweep found the opposite).
+more than splitting saves; past it, the sweep found the opposite). A small decode or verify step whose
+consumer merges the splits without a kernel of its own (the o projection's prologue) splits a short table
+too, in ``SHORT_SPLIT``-position splits.
 Positions are read on the device, so the launch shape depends only on host-known sizes and the step can be
 captured in a CUDA graph.
 """
@@ -43,9 +45,11 @@ SPLIT = 256  # key positions per split past MIN_SPLITS splits
 MIN_SPLITS = 4  # a table past ONE_SPLIT_KEYS positions splits at least this many ways
 ONE_SPLIT_KEYS = 256  # block tables up to this many positions: SHORT_SPLIT positions a split, or one split
 # A short table splits too where the o projection merges the splits in its prologue (no merge kernel:
-# ``split_short``) and a decode or verify step (tiles of at most 32 query rows; not prefill chunks) has at most
-# SHORT_PROGRAMS (row, query tile, KV head) programs, in SHORT_SPLIT-position splits (at most MIN_SPLITS). At 256 positions (batch 1, bf16, H200; docs/BENCHMARKS.md, twenty-seventh session) 4
-# splits of 64 keys made a 1 + 4-token verify step 84 us shorter (0.644 -> 0.560 ms) and a decode step 22 us.
+# ``split_short``) and the step has tiles of at most 32 query rows (decode, verify and prefills of a few tokens)
+# and at most SHORT_PROGRAMS (row, query tile, KV head) programs, in SHORT_SPLIT-position splits (at most
+# MIN_SPLITS). At 256 positions (batch 1, bf16, H200; docs/BENCHMARKS.md, twenty-seventh session) 4 splits of
+# 64 keys made a 1 + 4-token verify step 84 us shorter (0.644 -> 0.560 ms) and a decode step 22 us; batches of
+# 2-10 rows (up to 32 programs of the default model) split alike, not measured.
 SHORT_SPLIT = 64
 SHORT_PROGRAMS = 32
 # Split partial sums (float32, per row x query tile x KV head x split) a step may allocate: past this it takes one
@@ -53,10 +57,11 @@ SHORT_PROGRAMS = 32
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
-# Launch overrides for measurements, SPECSERVE_ATTN="splits1=8,splitsN=8,bn1=64,bnN=64": key splits (splits1: steps
-# of one query per row, decode; splitsN: of several, verify and prefill steps that split; also short tables of
-# decode and verify steps) and key positions per inner iteration
-OVERRIDE = {k: int(v) for k, v in (item.split("=") for item in os.environ.get("SPECSERVE_ATTN", "").split(",") if item)}
+# Launch overrides for measurements, SPECSERVE_ATTN="splits1=8,splitsN=8,bn1=64,bnN=64": key splits (splits1:
+# steps of one query per row, decode; splitsN: of several, verify and prefill steps that split; also short
+# tables of decode and verify steps) and key positions per inner iteration
+ATTN_OVERRIDE = {k: int(v) for k, v in
+                 (item.split("=") for item in os.environ.get("SPECSERVE_ATTN", "").split(",") if item)}
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -77,7 +82,7 @@ def default_splits(keys: int, programs: int, tile_bytes: int, short: bool = Fals
     one where the partial sums would pass ``MAX_PARTIALS``; else ``SPLIT`` positions a split, at least
     ``MIN_SPLITS``."""
     if keys <= ONE_SPLIT_KEYS:
-        return max(1, min(MIN_SPLITS, keys // SHORT_SPLIT)) if short and programs <= SHORT_PROGRAMS else 1
+        return max(1, min(MIN_SPLITS, -(-keys // SHORT_SPLIT))) if short and programs <= SHORT_PROGRAMS else 1
     splits = max(MIN_SPLITS, -(-keys // SPLIT))
     return 1 if programs * splits * tile_bytes > MAX_PARTIALS else splits
 
@@ -96,7 +101,7 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
     block_m, qpt, n_qt = query_tiling(qw, g)
     splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
                             short=split_short and block_m <= 32)
-    over = OVERRIDE.get("splits1" if qw == 1 else "splitsN")
+    over = ATTN_OVERRIDE.get("splits1" if qw == 1 else "splitsN")
     if over and (splits > 1 or qw <= 16):  # not prefill chunks' one split
         splits = over
     return block_m, qpt, n_qt, splits
@@ -110,10 +115,10 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions (``SHORT_SPLIT`` positions per split for a small decode or verify step with ``split_short`` and
     ``flat_index``: its consumer merges the splits) or past ``MAX_PARTIALS`` bytes of partial sums and otherwise
-    to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per inner iteration, default
-    ``BLOCK_N``) and ``num_warps`` (Triton's default) are there for tuning (``benchmarks/bench_attention.py
-    --sweep``). With ``flat_index`` [T] (b * Qw + j of each flat token) a step of several splits returns its
-    partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
+    to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per
+    inner iteration, default ``BLOCK_N``, at most a split's share where the table splits) and ``num_warps``
+    (Triton's default) are there for tuning (``benchmarks/bench_attention.py --sweep``). With ``flat_index`` [T]
+    (b * Qw + j of each flat token) a step of several splits returns its partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
     ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
     token i's query is q[q_rows[i]] and the output has T' rows (the layout's flat indices are output rows): a
     draft step 0 attends for each row's last token only without gathering its q rows first."""
@@ -129,14 +134,18 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     keys = block_tables.shape[1] * page
     head_d = triton.next_power_of_2(d)
     # qpt queries per tile, n_qt tiles per row
-    block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys, split_short and flat_index is not None)
+    block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys,
+                                                   split_short and flat_index is not None)
     num_splits = auto_splits if num_splits is None else num_splits
+    share = triton.next_power_of_2(triton.cdiv(keys, num_splits))  # a split's keys, as a power of two
+    # keys per inner iteration: where the table splits, at most a split's share, so that every split walks keys
+    if not block_n:
+        block_n = ATTN_OVERRIDE.get("bn1" if qw == 1 else "bnN") or (
+            BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
+        if num_splits > 1:
+            block_n = max(16, min(block_n, share))
     # key positions per split: a power of two (few compiled variants) covering the table
-    # keys per inner iteration: at most a split's share of the table, so that every split has keys to walk
-    block_n = block_n or OVERRIDE.get("bn1" if qw == 1 else "bnN") or max(16, min(
-        BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE,
-        triton.next_power_of_2(triton.cdiv(keys, num_splits))))
-    span = max(block_n, triton.next_power_of_2(triton.cdiv(keys, num_splits)))
+    span = max(block_n, share)
     launch = dict(kernel_args(q), **({} if num_warps is None else {"num_warps": num_warps}))
     final = num_splits == 1  # the split kernel normalises and writes the output itself
     out = q.new_empty(t, hq, d)

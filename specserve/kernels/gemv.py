@@ -87,9 +87,9 @@ def block_n(n: int, k: int, t: int = 1) -> int:
     takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs); then ``WIDE`` times that
     (a 1 + 4-token verify step's gate/up projection: 960 programs, on this kernel instead of cuBLAS)."""
     bn = max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
-    if t > 1 and (n, k) in BN_OVERRIDE:
-        return BN_OVERRIDE[n, k]
     if t > 1:
+        if (n, k) in BN_OVERRIDE:
+            return BN_OVERRIDE[n, k]
         if k > 1024:
             bn *= 2
         elif bn > 1 and triton.cdiv(n, bn) * t < 512:
@@ -199,13 +199,11 @@ def merged_linear(parts, weight, bias=None, stream=None, norm_weight=None):
     for it: one kernel, the merge inside each program's prologue (rounded to the output's dtype as the merge
     kernel rounds it). None where the few-row kernel does not take the step (the caller merges first)."""
     x = parts.out.view(parts.out.shape[0], -1)  # [T, K]: its shape and dtype only (never read)
-    if (parts.flat_index is None or parts.num_splits > MERGE_MAX_SPLITS or not kernel_usable("gemv_merge")
+    t, (n, k) = x.shape[0], weight.shape
+    if (parts.flat_index is None or parts.num_splits > MERGE_MAX_SPLITS or not merges_splits(parts.out, weight, t)
             or not _fusable(x, weight, stream, norm_weight, bias)):
         return None
-    t, (n, k) = x.shape[0], weight.shape
     bn = merge_block_n(n, k, t)
-    if not _programs_ok(triton.cdiv(n, bn), t):
-        return None
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     scaled = None if norm_weight is None else torch.empty(t, n, dtype=x.dtype, device=x.device)
     if not _launch(x, weight, bias, ATTN_MERGE, None, None, 0.0, stream, None, out, None, None, bn, 4,
