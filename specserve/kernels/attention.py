@@ -118,8 +118,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per
     inner iteration, default ``BLOCK_N``, at most a split's share where the table splits) and ``num_warps``
     (Triton's default) are there for tuning (``benchmarks/bench_attention.py --sweep``). With ``flat_index`` [T]
-    (b * Qw + j of each flat token) a step of several splits returns its partial sums unmerged (``AttnPartials``), for a consumer that merges them itself (the o projection's
-    ATTN_MERGE prologue, ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
+    (b * Qw + j of each flat token) a step of several splits returns its partial sums unmerged
+    (``AttnPartials``), for a consumer that merges them itself (the o projection's ATTN_MERGE prologue,
+    ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
     token i's query is q[q_rows[i]] and the output has T' rows (the layout's flat indices are output rows): a
     draft step 0 attends for each row's last token only without gathering its q rows first."""
     t, hq, d = q.shape if q_rows is None else (q_rows.shape[0], *q.shape[1:])
