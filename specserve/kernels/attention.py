@@ -48,8 +48,9 @@ ONE_SPLIT_KEYS = 256  # block tables up to this many positions: SHORT_SPLIT posi
 # ``split_short``) and the step has tiles of at most 32 query rows (decode, verify and prefills of a few tokens)
 # and at most SHORT_PROGRAMS (row, query tile, KV head) programs, in SHORT_SPLIT-position splits (at most
 # MIN_SPLITS). At 256 positions (batch 1, bf16, H200; docs/BENCHMARKS.md, twenty-seventh session) 4 splits of
-# 64 keys made a 1 + 4-token verify step 84 us shorter (0.644 -> 0.560 ms) and a decode step 22 us; batches of
-# 2-10 rows (up to 32 programs of the default model) split alike, not measured.
+# 64 keys made a 1 + 4-token verify step 84 us shorter (0.644 -> 0.560 ms) and a decode step 22 us (the rule as
+# the default timed the same, twenty-eighth session); batches of 2-10 rows (up to 32 programs of the default
+# model) split alike, not measured.
 SHORT_SPLIT = 64
 SHORT_PROGRAMS = 32
 # Split partial sums (float32, per row x query tile x KV head x split) a step may allocate: past this it takes one
