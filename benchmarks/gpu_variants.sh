@@ -6,6 +6,6 @@ source benchmarks/gpu_env.sh
 for v in "$@"; do echo "--- $v"
   dir=.; case $v in @*) dir=${v%% *}; dir=${dir#@}; v=${v#@$dir}; esac
   (cd "$dir" && env $v timeout ${VARIANT_S:-120} python3 -m specserve.cli bench --model random:smollm2-135m \
-    --draft random --draft-len 4 --forced-acceptance 2.58 --ignore-eos --random-input-len 256 --batch-size 1 --max-tokens 32 \
-    --num-prompts 1 --repeats 1 --steps 1 --steps-context ${CTX:-512} 2>&1 \
+    --draft random --draft-len 4 --forced-acceptance 2.58 --ignore-eos --random-input-len 256 --batch-size 1 \
+    --max-tokens 32 --num-prompts 1 --repeats 1 --steps 1 --steps-context ${CTX:-512} 2>&1 \
     | grep -E "^\| (decode|verify|draft|whole)") ; done
