@@ -394,13 +394,10 @@ def _settings(dev: torch.device) -> dict:
 
 def _versions(with_transformers: bool) -> dict:
     import specserve
+    from specserve.kernels._triton import HAVE_TRITON, triton
 
-    try:
-        import triton
-    except ImportError:
-        triton = None
     out = dict(specserve=specserve.__version__, torch=torch.__version__,
-               triton=getattr(triton, "__version__", None), cuda=torch.version.cuda)
+               triton=triton.__version__ if HAVE_TRITON else None, cuda=torch.version.cuda)
     if with_transformers:
         import transformers
 

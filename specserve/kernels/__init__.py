@@ -22,9 +22,9 @@ FAILED: set[str] = set()  # kernels that did not build on this machine (their ca
 def triton_available() -> bool:
     if os.environ.get("SPECSERVE_TRITON", "1") == "0":
         return False
-    import importlib.util
+    from specserve.kernels._triton import HAVE_TRITON
 
-    return importlib.util.find_spec("triton") is not None
+    return HAVE_TRITON
 
 
 def use_triton(x: torch.Tensor) -> bool:

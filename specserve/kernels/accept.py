@@ -15,13 +15,10 @@ import torch
 from specserve.kernels import use_triton
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 
 def greedy_accept_ref(argmax: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor):
@@ -86,7 +83,7 @@ def greedy_accept(argmax: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
     return accepted, emitted
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _greedy_accept_kernel(ARGMAX, DRAFTS, NUM, CAN, ACC, EMIT, D, s_a, s_d, s_acc, s_er, s_ec, SEEDS, OFFS, frac,
                               BLOCK: tl.constexpr, FORCE: tl.constexpr, BASE: tl.constexpr, SALT: tl.constexpr,

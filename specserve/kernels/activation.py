@@ -8,13 +8,10 @@ import torch.nn.functional as F
 from specserve.kernels import use_triton
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +33,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], i)
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _silu_mul_kernel(X, OUT, I, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
         pdl_begin(PDL)

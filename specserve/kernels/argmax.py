@@ -14,13 +14,10 @@ import torch
 from specserve.kernels import use_triton
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 CHUNK = 2048  # columns per program of the first kernel
 MAX_CHUNKS = 1024  # past this many chunks per row the second kernel's tile grows too big: use PyTorch
@@ -32,7 +29,7 @@ def argmax_lastdim(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Te
     """x [..., V] (float32 / bfloat16 / float16) -> index of the largest entry per row [...] int64; with ``ids``
     [V] int64, ``ids`` at that index (a draft vocabulary's target ids: the lookup rides in the second kernel)."""
     v = x.shape[-1]
-    n_chunks = triton.cdiv(v, CHUNK) if triton is not None else 0
+    n_chunks = triton.cdiv(v, CHUNK) if HAVE_TRITON else 0
     if not use_triton(x) or x.numel() == 0 or n_chunks > MAX_CHUNKS or x.dtype not in _DTYPES:
         best = x.argmax(dim=-1)
         return best if ids is None else ids[best]
@@ -49,7 +46,7 @@ def argmax_lastdim(x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Te
 
 def pick_fits(n_chunks: int) -> bool:
     """Whether ``argmax_pick`` takes this many chunks per row in one tile."""
-    return triton is not None and 0 < n_chunks <= MAX_PICK
+    return HAVE_TRITON and 0 < n_chunks <= MAX_PICK
 
 
 def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | None = None,
@@ -65,7 +62,7 @@ def argmax_pick(part_v: torch.Tensor, part_i: torch.Tensor, ids: torch.Tensor | 
     return out
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _argmax_chunks(X, PV, PI, V, s_x, NC, CHUNK: tl.constexpr, PDL: tl.constexpr):
         pdl_begin(PDL)

@@ -28,13 +28,10 @@ import torch
 
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Launch choices, from a sweep on the H200 (bf16, batch 1, 1 and 5 queries, SmolLM2-135M and Llama-3.1-8B
@@ -286,7 +283,7 @@ def _flat_index(query_index: torch.Tensor, t: int) -> torch.Tensor:
     return inv[:t]
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT: tl.constexpr, G: tl.constexpr,
                       BLOCK_M: tl.constexpr):

@@ -15,13 +15,10 @@ from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.kernels import kernel_failed, kernel_usable, use_triton
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 
 def draft_inputs_ref(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, row_of_token, col_of_token,
@@ -78,7 +75,7 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
                 chain_pos=chain[0], chain_slot=chain[1])
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _draft_inputs_kernel(ACC, EMIT, BASE, T0, START, EXT, OK, TAB, ROW, COL, EXT_OUT, ROWS3, IDS0, CHAIN,
                              B, W, T, M, K, MAX_POS, s_emit, s_ec, BS: tl.constexpr, PAD: tl.constexpr,

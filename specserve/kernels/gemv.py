@@ -31,13 +31,10 @@ from specserve.kernels.argmax import argmax_lastdim, argmax_pick, pick_fits
 from specserve.kernels.norm import rms_norm, rms_norm_ref
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 MAX_ROWS = 8  # tokens per step that take these kernels (more: cuBLAS, whose tiles reuse the weights better)
 MAX_K = 2048  # widest reduced dimension loaded in one piece
@@ -296,7 +293,7 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
     return True
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _gemv_kernel(X, RES, RES_OUT, NW, W, BIAS, ADD, OUT, T, N, eps, s_x, s_r, s_a, SCALE, s_w, PV, PI, OUT2, NW2,
                      PACC, PML, FIDX, m_qw, m_nqt, MG: tl.constexpr, MQPT: tl.constexpr, MBM: tl.constexpr,

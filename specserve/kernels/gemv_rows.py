@@ -40,14 +40,11 @@ from specserve.kernels import kernel_failed, kernel_usable
 from specserve.kernels.gemv import MAX_ROWS, gemv_enabled, k_blocks
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.gemv import _gemv_dot, _gemv_normed, _gemv_prologue, _gemv_weights
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 FORMS = {"turn": 0, "dot": 1, "bcast": 2}
 # the default launch per form: (features per program, warps)
@@ -164,7 +161,7 @@ def rows_projection(x: torch.Tensor, weight: torch.Tensor, bias=None, add=None, 
     return out, res_out if norm else out2
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _rows_kernel(X, W, OUT, BIAS, ADD, OUT2, NW2, RES, RES_OUT, NWI, eps, s_r, N, s_x, s_w, s_a,
                      NORM_IN: tl.constexpr, T: tl.constexpr, TP: tl.constexpr,

@@ -7,13 +7,10 @@ import torch
 from specserve.kernels import use_triton
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:  # the CPU path needs no Triton
-    triton = None
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -61,7 +58,7 @@ def embed_norm_cat(ids: torch.Tensor, table: torch.Tensor, w_embed: torch.Tensor
     return out.view(*hidden.shape[:-1], 2 * h)
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _norm_row(x, W, OUT, H, eps, cols, m):
         """Store W * rmsnorm(x) at OUT (the rounding of ``rms_norm_ref``)."""

@@ -19,16 +19,12 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
 ENABLED = os.environ.get("SPECSERVE_PDL", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_GDC = False
-if triton is not None:
+if HAVE_TRITON:
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -60,7 +56,7 @@ def kernel_args(x: torch.Tensor) -> dict:
     return dict(PDL=on, **launch(on))
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def pdl_begin(PDL: tl.constexpr):
         """Let the next kernel launch once every program of this one has started."""

@@ -25,15 +25,12 @@ WIDE = 1 << (max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1"))).bit_len
 # step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72; docs/BENCHMARKS.md)
 ROWS_DEFAULT = "16,4"
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.gemv import _gemv_dot, _gemv_prologue, _gemv_weights
     from specserve.kernels.gemv_rows import _rows_add_norm, _rows_tile
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 
 def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache, k_cache,
@@ -127,7 +124,7 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
     return q_out, res_out
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _qkv_rope_kernel(X, RES, RES_OUT, NW, W, BIAS, IDS, E, NWE, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r,
                          s_e, s_w, sc_blk, sc_slot, sc_h, s_cos, BS, K: tl.constexpr, PROLOGUE: tl.constexpr,

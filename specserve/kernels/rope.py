@@ -7,13 +7,10 @@ import torch
 from specserve.kernels import use_triton
 from specserve.kernels.pdl import kernel_args
 
-try:
-    import triton
-    import triton.language as tl
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
+if HAVE_TRITON:
     from specserve.kernels.pdl import pdl_begin, pdl_wait
-except ImportError:
-    triton = None
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,7 +55,7 @@ def rope_and_cache(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, s
     return q_out
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _rope_cache_kernel(POS, Q, K, V, COS, SIN, KC, VC, SLOT, QO,
                            sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_blk, sc_slot, sc_h, s_cos, BS,

@@ -13,11 +13,7 @@ import torch
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.kernels import kernel_failed, kernel_usable, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
 LAYOUT = ("positions", "slots", "flat", "row_of_token", "col_of_token", "last")  # [B, q] x 5, then [B]
 SPEC = ("base_col", "t0", "verify_idx", "drafts", "ext", "flags")  # [B] x 2, [B, D+1], [B, D], [B, q+D+2], [4, B]
@@ -83,7 +79,7 @@ def expand_record(start, count, nd, tokens, tables, block_size: int, num_drafts:
     return out
 
 
-if triton is not None:
+if HAVE_TRITON:
     @triton.jit
     def _expand_record_kernel(START, COUNT, ND, TOK, TAB, FLAGS, LAY, LAST, INTS, VIDX, DRAFTS, EXT, BFLAGS,
                               B, Q, M, W, BS: tl.constexpr, PAD: tl.constexpr, Q_BLOCK: tl.constexpr,
