@@ -23,8 +23,8 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.loaders import load_config
-from specserve.spec.checkpoint import save_eagle3_head
-from specserve.spec.random_heads import random_head
+from specserve.speculative.checkpoint import save_eagle3_head
+from specserve.speculative.random_heads import random_head
 
 
 def _sync(device: str) -> None:

@@ -20,7 +20,7 @@ from specserve.bench.prompts import DEFAULT_PROMPTS
 from specserve.core.metrics import SpecStats
 from specserve.heads import default_speculative_config
 from specserve.kernels.argmax import argmax_lastdim
-from specserve.spec import heads
+from specserve.speculative import heads
 
 _full_vocab_draft_ids = heads.Eagle3Head.draft_ids
 SIZE: int | None = None  # the draft vocabulary the patched argmax sees (None: all ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specserve.runner.sampler import SamplingTensors
-from specserve.spec.accept import AcceptInputs
+from specserve.speculative.accept import AcceptInputs
 
 
 def inputs(b: int, can=None, temperature=0.0, seeds=None, offsets=None, relaxed=False, topk=1, delta=0.0,

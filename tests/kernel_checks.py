@@ -22,7 +22,7 @@ from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import expand_record, expand_record_ref
 from specserve.runner.sampler import SamplingTensors
-from specserve.spec import accept as spec_accept
+from specserve.speculative import accept as spec_accept
 
 
 @kernel_check

@@ -12,7 +12,7 @@ import torch
 from accept_helpers import inputs
 from specserve import LLM, SamplingParams
 from specserve.core.request import Request
-from specserve.spec.accept import accept, thinking_states
+from specserve.speculative.accept import accept, thinking_states
 from tiny_models import make_head, make_hf_model
 
 

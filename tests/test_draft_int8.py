@@ -8,7 +8,7 @@ import torch
 
 from specserve.config import ModelConfig
 from specserve.kernels.gemv import NORM, fused_linear, linear_ref, quantize_rows
-from specserve.spec.random_heads import random_head
+from specserve.speculative.random_heads import random_head
 
 
 def test_quantize_rows_is_within_half_a_step_of_each_row():
@@ -76,7 +76,7 @@ def test_the_argmax_table_folds_the_norm_weight_in_and_gives_the_normed_logits_u
 
 def test_only_heads_with_one_norm_per_output_weight_fold_it():
     """Vanilla MTP's modules share one output layer under their own norms: folding would make a table per module."""
-    from specserve.spec.heads import MTPHead
+    from specserve.speculative.heads import MTPHead
 
     cfg = _cfg()
     assert random_head(cfg, "eagle3").fold_draft_norm

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from specserve import LLM, SamplingParams, SpeculativeConfig
-from specserve.spec.accept import accept as accept_rows
+from specserve.speculative.accept import accept as accept_rows
 from accept_helpers import greedy_inputs
-from specserve.spec.checkpoint import load_draft_head
-from specserve.spec.heads import DraftHead, DraftInputs
+from specserve.speculative.checkpoint import load_draft_head
+from specserve.speculative.heads import DraftHead, DraftInputs
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 N_OUT = 20
@@ -297,7 +297,7 @@ def test_ties_resolve_like_plain_greedy():
 
 def test_written_head_reads_back_identically(dirs):
     from specserve.loaders import load_model
-    from specserve.spec.checkpoint import save_eagle3_head, save_mtp_head
+    from specserve.speculative.checkpoint import save_eagle3_head, save_mtp_head
 
     target = load_model(str(dirs / "target"), torch.float32, torch.device("cpu")).model
     for name, saver in (("eagle3-d4", save_eagle3_head), ("mtp_vanilla-d3", save_mtp_head)):

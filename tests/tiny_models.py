@@ -181,8 +181,8 @@ def make_head(folder: Path, target_folder: Path, method: str = "eagle3", num_mod
               draft_vocab: int | None = None, own_head: bool = True, seed: int = 0) -> Path:
     """Write a random draft head for the HF model in ``target_folder`` with specserve's writers."""
     from specserve.loaders.hf import load_hf_config
-    from specserve.spec.checkpoint import save_eagle3_head, save_mtp_head
-    from specserve.spec.random_heads import random_head
+    from specserve.speculative.checkpoint import save_eagle3_head, save_mtp_head
+    from specserve.speculative.random_heads import random_head
 
     cfg = load_hf_config(target_folder)
     head = random_head(cfg, method, draft_vocab, num_modules, own_head, seed)

@@ -15,9 +15,9 @@ from specserve.loaders import load_model
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
-from specserve.spec.checkpoint import load_draft_head
-from specserve.spec.config import SpeculativeConfig
-from specserve.spec.worker import SpecDecodeRunner
+from specserve.speculative.checkpoint import load_draft_head
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.worker import SpecDecodeRunner
 from specserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("specserve")

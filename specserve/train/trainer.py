@@ -25,9 +25,9 @@ import torch
 
 from specserve.config import resolve_device
 from specserve.loaders import load_model
-from specserve.spec.checkpoint import bind_head, save_eagle3_head, save_mtp_head
-from specserve.spec.config import default_eagle3_layers
-from specserve.spec.heads import DraftHead, Eagle3Head, MTPHead
+from specserve.speculative.checkpoint import bind_head, save_eagle3_head, save_mtp_head
+from specserve.speculative.config import default_eagle3_layers
+from specserve.speculative.heads import DraftHead, Eagle3Head, MTPHead
 from specserve.train.attention import DenseCausal, TrainingTimeTest
 from specserve.train.data import load_data, make_batch, split_prompts
 from specserve.train.generate import regenerate, synthesize_prompts  # noqa: F401 (regenerate: public here)
@@ -190,8 +190,8 @@ def _has_lm_head(folder: Path) -> bool:
 
 def init_from_head(head: DraftHead, cfg: TrainConfig, target, device) -> None:
     """Copy an exported head's weights into the freshly built ``head`` (fine-tuning a shipped head)."""
-    from specserve.spec.checkpoint import load_draft_head
-    from specserve.spec.config import SpeculativeConfig
+    from specserve.speculative.checkpoint import load_draft_head
+    from specserve.speculative.config import SpeculativeConfig
 
     spec = SpeculativeConfig(method=cfg.method, draft_model=cfg.init_from, mtp_eagle=True if cfg.method == "mtp" else None)
     src = load_draft_head(spec, target, device, torch.float32)

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 from specserve.config import ModelConfig
 from specserve.loaders.hf import iter_safetensors
-from specserve.spec.config import SpeculativeConfig, default_eagle3_layers
-from specserve.spec.heads import DraftHead, Eagle3Head, MTPHead
+from specserve.speculative.config import SpeculativeConfig, default_eagle3_layers
+from specserve.speculative.heads import DraftHead, Eagle3Head, MTPHead
 
 log = logging.getLogger("specserve")
 
@@ -126,7 +126,7 @@ def load_draft_head(spec: SpeculativeConfig, target_model, device, dtype) -> Dra
     if spec.draft_model is None:
         raise ValueError("speculative decoding needs a draft_model folder (--draft PATH)")
     if spec.draft_model == "random":  # benchmarks: a random head with the target's shapes, built on the device
-        from specserve.spec.random_heads import random_head
+        from specserve.speculative.random_heads import random_head
 
         with torch.device(device):
             head = random_head(target_model.config, spec.method, draft_vocab=min(32000, target_model.config.vocab_size),

@@ -29,9 +29,9 @@ from specserve.runner.model_runner import (GraphLayout, ModelRunner, RowResult, 
                                           sampling_switches, sampling_tensors)
 from specserve.runner.staging import Staging
 from specserve.scheduler.scheduler import SchedulerOutput
-from specserve.spec.accept import AcceptInputs, accept
-from specserve.spec.config import SpeculativeConfig
-from specserve.spec.heads import DraftHead, DraftInputs, place
+from specserve.speculative.accept import AcceptInputs, accept
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.heads import DraftHead, DraftInputs, place
 
 
 _SPEC_NAMES = ["verify_idx", "drafts", "num_drafts", "can_accept", "base_col", "t0", "start",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from specserve.config import ModelConfig
-from specserve.spec.config import default_eagle3_layers
-from specserve.spec.heads import DraftHead, Eagle3Head, MTPHead
+from specserve.speculative.config import default_eagle3_layers
+from specserve.speculative.heads import DraftHead, Eagle3Head, MTPHead
 
 
 def random_head(cfg: ModelConfig, method: str = "eagle3", draft_vocab: int | None = None, num_modules: int = 1,
