@@ -3,7 +3,6 @@ runs (``kernel_checks.py``, ``linear_checks.py``)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -35,17 +34,3 @@ def _close(a, b, dtype, what):
     a, b = a.float(), b.float()
     err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
     assert err <= TOL[dtype], f"{what}: max relative error {err:.2e} > {TOL[dtype]:.0e}"
-
-
-@contextlib.contextmanager
-def env(name: str, value: str):
-    """The environment variable ``name`` set to ``value`` inside the block, as it was after."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old

@@ -1,7 +1,7 @@
 """The whole engine with every Triton kernel (through Triton's interpreter on the CPU) gives the greedy tokens
 of the PyTorch reference path: plain and speculative, packed and padded (graph) layouts, chunked prefill.
 Run by tests/test_kernels.py as ``TRITON_INTERPRET=1 python tests/kernel_engine_check.py``; with
-SPECSERVE_KERNEL_CHECKS=quick (the CPU suite) four runs that between them take every layout and kernel, instead
+SPECSERVE_KERNEL_CHECKS=quick (the CPU suite) five runs that between them take every layout and kernel, instead
 of each case alone."""
 
 import os
@@ -37,51 +37,46 @@ def run(backend: str, spec: bool, padded: bool, head: str = "e3") -> list[list[i
     return [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
 
 
-os.environ["SPECSERVE_GEMV"] = "0"  # the reference: cuBLAS-style linears, norms and activations of their own
+import specserve.kernels.gemv as gemv  # noqa: E402
+
+# the reference: cuBLAS-style linears, norms and activations of their own (no few-row kernels)
+rows_enabled, gemv._rows_enabled = gemv._rows_enabled, lambda *a: False
 ref = run("sdpa", False, False)
-del os.environ["SPECSERVE_GEMV"]
+gemv._rows_enabled = rows_enabled
 bad = 0
 for spec, padded in ((False, True),) if QUICK else ((False, False), (False, True), (True, False), (True, True)):
     same = run("triton", spec, padded) == ref
     bad += not same
     print(f"triton spec={spec} padded={padded}: {'ok' if same else 'DIFFERENT'}", flush=True)
-# the norm after attention folded into the o projection and the down projection (SwiGLU.norm_folds), which the
-# default model's verify steps take: this tiny model's steps take it only when told to; gate/up on cuBLAS, then on
-# the kernel that reads each weight block once for all rows (gemv_rows, each form), the o projection too; and that
-# kernel with the norm in its prologue instead (SPECSERVE_GEMV_ROWS_NORM=1, no fold); the qkv projection with
-# RoPE on the several-row kernel (SPECSERVE_QKV_ROWS) or one program per row
+# the norm after attention folded into the o projection and the down projection (SwiGLU.norm_folds): with the
+# defaults this tiny model's verify steps of at least gemv_rows.MIN_ROWS rows take it (gate/up on the kernel that
+# reads each weight block once for all rows, gemv_rows, and the qkv projection with RoPE on its several-row
+# kernel); here every few-row step folds (as gate/up leaving the one-row kernel would make it), once with those
+# several-row kernels and once without (MIN_ROWS past MAX_ROWS: gate/up on cuBLAS, qkv one program per row)
+import specserve.kernels.gemv_rows as gemv_rows  # noqa: E402
 import specserve.kernels.qkv_rope as qkv_rope  # noqa: E402
 import specserve.models.layers as layers  # noqa: E402
 import specserve.models.llama as llama  # noqa: E402
 
-taken = {"gate/up": [], "o": [], "gate/up with its norm": [], "qkv": []}
-rows_linear, rows_projection, qkv_rows = layers.rows_linear, llama.rows_projection, qkv_rope._qkv_rows
+taken = {"gate/up": [], "qkv": []}
+rows_linear, qkv_rows, takes_kernel = layers.rows_linear, qkv_rope._qkv_rows, layers.takes_kernel
 layers.rows_linear = lambda x, w: taken["gate/up"].append(layers.rows_takes(x, w)) or rows_linear(x, w)
-llama.rows_projection = lambda *a, **k: taken["o"].append(True) or rows_projection(*a, **k)
-layers.rows_projection = lambda *a, **k: taken["gate/up with its norm"].append(True) or rows_projection(*a, **k)
 qkv_rope._qkv_rows = lambda *a, **k: taken["qkv"].append(True) or qkv_rows(*a, **k)
-# (gemv_rows setting, the norm before gate/up in that kernel's prologue instead of folded, the qkv setting)
-for rows, norm_in, qkv in (("0", False, "0"), ("dot", False, "16,4"), ("dot", True, "16,2")) if QUICK else (
-        ("0", False, "0"), ("dot", False, "0"), ("turn", False, "0"), ("bcast", False, "0"), ("dot", True, "0"),
-        ("turn", True, "16,4"), ("dot", False, "16,4")):
-    os.environ["SPECSERVE_GEMV_ROWS"] = os.environ["SPECSERVE_GEMV_ROWS_O"] = rows
-    os.environ["SPECSERVE_GEMV_ROWS_NORM"] = str(int(norm_in))
-    os.environ["SPECSERVE_NORM_FOLD"] = "1" if norm_in else "always"
-    os.environ["SPECSERVE_QKV_ROWS"] = qkv
+layers.takes_kernel = lambda n, k, t: False
+min_rows = gemv_rows.MIN_ROWS
+for rows in (True, False):
+    gemv_rows.MIN_ROWS = min_rows if rows else gemv.MAX_ROWS + 1
     for calls in taken.values():
         calls.clear()
     same = run("triton", True, False) == ref  # quick: also the packed speculative layout's only runs
-    ran = taken["gate/up with its norm"] if norm_in else (any(taken["gate/up"]) and taken["o"])
-    if (rows != "0" and not ran) or (qkv != "0") != bool(taken["qkv"]):
-        print(f"the several-row kernels did not run as asked: {({k: sum(v) for k, v in taken.items()})}")
+    if not taken["gate/up"] or any(taken["gate/up"]) != rows or bool(taken["qkv"]) != rows:
+        print(f"the folded and several-row kernels did not run as asked: {({k: sum(v) for k, v in taken.items()})}")
         same = False
     bad += not same
-    print(f"triton spec=True padded=False gate/up and o rows={rows}, "
-          f"{'norm in its prologue' if norm_in else 'norm folded'}, qkv rows {qkv}: "
+    print(f"triton spec=True padded=False norm folded in every few-row step, several-row kernels {rows}: "
           f"{'ok' if same else 'DIFFERENT'}", flush=True)
-for var in ("SPECSERVE_NORM_FOLD", "SPECSERVE_GEMV_ROWS", "SPECSERVE_GEMV_ROWS_O", "SPECSERVE_GEMV_ROWS_NORM",
-            "SPECSERVE_QKV_ROWS"):
-    del os.environ[var]
+gemv_rows.MIN_ROWS = min_rows
+layers.rows_linear, qkv_rope._qkv_rows, layers.takes_kernel = rows_linear, qkv_rows, takes_kernel
 same = run("triton", True, True, "e3v") == ref
 bad += not same
 print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)

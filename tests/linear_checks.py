@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from check_util import QUICK, _close, env, kernel_check
-from specserve.kernels import gemv
+from check_util import QUICK, _close, kernel_check
+from specserve.kernels import gemv, gemv_rows, qkv_rope
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
 from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
-from specserve.kernels.gemv_rows import FORMS, rows_linear, rows_projection, rows_takes
+from specserve.kernels.gemv_rows import rows_linear, rows_takes
 from specserve.kernels.norm import embed_norm_cat
-from specserve.kernels.qkv_rope import EMBED_CAT, _qkv_rows, qkv_rope_cache
+from specserve.kernels.qkv_rope import EMBED_CAT, ROWS_PAIRS, ROWS_WARPS, _qkv_rows, qkv_rope_cache
 from specserve.kernels.rope import rope_and_cache
 
 
@@ -33,69 +33,59 @@ def _qkv_setup(g, device, dtype):
 def check_qkv_rope(device, dtype):
     """The qkv projection with RoPE and the cache write inside against the projection and then the rope kernel
     (q heads rotated, k rotated and v as is into the cache; their sums run in another order, so close, not
-    equal), for each prologue (a draft head's: against ``embed_norm_cat``), with and without a bias, with the
-    weights loaded first and after the prologue; a row of a 5-row step exactly as the same row in steps of 1
-    and 2 rows (a verify row rounds as a decode row)."""
+    equal), for each prologue (a draft head's: against ``embed_norm_cat``), with and without a bias; a row of a
+    3-row step (fewer rows than the several-row kernel takes: one program per row) exactly as the same row in
+    steps of 1 and 2 rows (a verify row rounds as a decode row)."""
     g = torch.Generator().manual_seed(12)
     hq, hkv, d, blocks, bs, k, w, bias, nw, cos, sin = _qkv_setup(g, device, dtype)
-    n = w.shape[0]
-    x = torch.randn(5, k, generator=g).to(device, dtype)
-    res = torch.randn(5, k + 8, generator=g).to(device, dtype)[:, :k]
+    n, t = w.shape[0], 3
+    assert t < gemv_rows.MIN_ROWS  # one program per row (check_qkv_rows has the several-row kernel)
+    x = torch.randn(t, k, generator=g).to(device, dtype)
+    res = torch.randn(t, k + 8, generator=g).to(device, dtype)[:, :k]
     w2 = (0.05 * torch.randn(n, 2 * k, generator=g)).to(device, dtype)  # EMBED_CAT's projection: [embedding, x]
     table = torch.randn(50, k, generator=g).to(device, dtype)
     nw_e = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-    ids = torch.tensor([3, 49, 0, 7, 3], device=device)
-    pos = torch.tensor([0, 5, 17, 40, 99], device=device)
-    slots = torch.tensor([16, 21, 33, 79, 64], device=device)
-    wfirst = gemv.WFIRST
-    # one program per row here (check_qkv_rows has the several-row kernel)
-    with env("SPECSERVE_QKV_ROWS", "0"):
-        try:
-            for first in (True, False):
-                gemv.WFIRST = first
-                for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, bias if first else None), (EMBED_CAT, None)):
-                    what = f"qkv+rope prologue={pro} bias={b is not None} weights first={first}"
-                    caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
+    ids = torch.tensor([3, 49, 0], device=device)
+    pos = torch.tensor([0, 17, 99], device=device)
+    slots = torch.tensor([16, 33, 64], device=device)
+    for pro, b in ((NONE, None), (NORM, bias), (ADD_NORM, bias), (ADD_NORM, None), (EMBED_CAT, None)):
+        what = f"qkv+rope prologue={pro} bias={b is not None}"
+        caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(3)]
 
-                    def args(rows):
-                        return (x[rows], w2 if pro == EMBED_CAT else w, b, pro, res[rows] if pro == ADD_NORM else None,
-                                None if pro == NONE else nw, 1e-5)
+        def args(rows):
+            return (x[rows], w2 if pro == EMBED_CAT else w, b, pro, res[rows] if pro == ADD_NORM else None,
+                    None if pro == NONE else nw, 1e-5)
 
-                    def embed(rows):  # a draft head's input: a token's embedding and a hidden state, each normed
-                        return dict(embed=(ids[rows], table, nw_e)) if pro == EMBED_CAT else {}
-                    got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d,
-                                         **embed(slice(None)))
-                    assert got is not None, "the check would compare the reference with itself"
-                    if pro == EMBED_CAT:
-                        qkv, r = fused_linear(embed_norm_cat(ids, table, nw_e, x, nw, 1e-5), w2)
-                    else:
-                        qkv, r = fused_linear(*args(slice(None)))
-                    q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                    ref_q = rope_and_cache(pos, q.view(5, hq, d), kk.view(5, hkv, d), v.view(5, hkv, d), cos, sin,
-                                           *caches[1], slots)
-                    _close(got[0], ref_q, dtype, what + ": q")
-                    _close(caches[0], caches[1], dtype, what + ": cache")
-                    assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), \
-                        what + ": residual"
-                    for rows in (slice(2, 3), slice(1, 3)):  # the same row in a step of 1 and of 2 rows
-                        caches[2].zero_()
-                        part = qkv_rope_cache(*args(rows), pos[rows], cos, sin, *caches[2], slots[rows], hq, hkv, d,
-                                              **embed(rows))
-                        assert torch.equal(part[0][-1], got[0][2]), what + f": row 2 in a step of {part[0].shape[0]}"
-                        kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
-                        assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), \
-                            what + f": its cache entries in a step of {part[0].shape[0]}"
-        finally:
-            gemv.WFIRST = wfirst
+        def embed(rows):  # a draft head's input: a token's embedding and a hidden state, each normed
+            return dict(embed=(ids[rows], table, nw_e)) if pro == EMBED_CAT else {}
+        got = qkv_rope_cache(*args(slice(None)), pos, cos, sin, *caches[0], slots, hq, hkv, d, **embed(slice(None)))
+        assert got is not None, "the check would compare the reference with itself"
+        if pro == EMBED_CAT:
+            qkv, r = fused_linear(embed_norm_cat(ids, table, nw_e, x, nw, 1e-5), w2)
+        else:
+            qkv, r = fused_linear(*args(slice(None)))
+        q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        ref_q = rope_and_cache(pos, q.view(t, hq, d), kk.view(t, hkv, d), v.view(t, hkv, d), cos, sin, *caches[1],
+                               slots)
+        _close(got[0], ref_q, dtype, what + ": q")
+        _close(caches[0], caches[1], dtype, what + ": cache")
+        assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
+        for rows in (slice(2, 3), slice(1, 3)):  # the same row in a step of 1 and of 2 rows
+            caches[2].zero_()
+            part = qkv_rope_cache(*args(rows), pos[rows], cos, sin, *caches[2], slots[rows], hq, hkv, d,
+                                  **embed(rows))
+            assert torch.equal(part[0][-1], got[0][2]), what + f": row 2 in a step of {part[0].shape[0]}"
+            kc = caches[0].view(2, blocks * bs, hkv, d)[:, int(slots[2])]
+            assert torch.equal(caches[2].view(2, blocks * bs, hkv, d)[:, int(slots[2])], kc), \
+                what + f": its cache entries in a step of {part[0].shape[0]}"
 
 
 @kernel_check
 def check_qkv_rows(device, dtype):
     """The several-row qkv + RoPE kernel (each weight block read once for all rows) against the projection
     and then the rope kernel, for prologues none / norm / residual add + norm, with and without a bias, 4, 5
-    and 8 rows, two launches (nothing written to other cache slots, the new residual exact); and the switch:
-    ``SPECSERVE_QKV_ROWS`` on, a 5-row step takes it with the launch named, a 1-row step keeps the one-row
-    kernel."""
+    and 8 rows, two launches (nothing written to other cache slots, the new residual exact); and the choice: a
+    5-row step takes it with the default launch, a 1-row step keeps the one-row kernel."""
     g = torch.Generator().manual_seed(14)
     hq, hkv, d, blocks, bs, k, w, bias, nw, cos, sin = _qkv_setup(g, device, dtype)
     x8 = torch.randn(8, k + 8, generator=g).to(device, dtype)[:, :k]
@@ -123,35 +113,25 @@ def check_qkv_rows(device, dtype):
         assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
     args = (x8[:5], w, None, ADD_NORM, res8[:5], nw, 1e-5)
     cache = torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device)
-    with env("SPECSERVE_QKV_ROWS", "16,2"):
-        got = qkv_rope_cache(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d)
-        one = qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin, *cache, slots8[:1], hq, hkv,
-                             d)
-    want = _qkv_rows(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d, setting=(16, 2))
-    assert torch.equal(got[0], want[0]), "SPECSERVE_QKV_ROWS on: a 5-row step on the several-row kernel"
-    with env("SPECSERVE_QKV_ROWS", "0"):
-        assert torch.equal(one[0], qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin,
-                                                  *cache, slots8[:1], hq, hkv, d)[0]), "a 1-row step: one-row kernel"
-
-
-def check_gemv(device, dtype):
-    # K loaded in one block or split in two (576 = 512 + 64); the weights loaded after the prologue or first
-    wfirst = gemv.WFIRST
+    calls, qkv_rows = [], qkv_rope._qkv_rows
+    qkv_rope._qkv_rows = lambda *a, **k: calls.append(a[0].shape[0]) or qkv_rows(*a, **k)
     try:
-        variants = (("0", False), ("1", True)) if QUICK else (("0", False), ("0", True), ("1", False), ("1", True))
-        for split, first in variants:
-            gemv.WFIRST = first
-            with env("SPECSERVE_GEMV_SPLITK", split):
-                _check_gemv(device, dtype)
+        got = qkv_rope_cache(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d)
+        qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin, *cache, slots8[:1], hq, hkv, d)
     finally:
-        gemv.WFIRST = wfirst
+        qkv_rope._qkv_rows = qkv_rows
+    assert calls == [5], f"the several-row kernel ran for steps of {calls} rows, not for the 5-row step only"
+    want = _qkv_rows(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d, setting=(ROWS_PAIRS, ROWS_WARPS))
+    assert torch.equal(got[0], want[0]), "a 5-row step on the several-row kernel with the default launch"
 
 
 @kernel_check
-def _check_gemv(device, dtype):
+def check_gemv(device, dtype):
     g = torch.Generator().manual_seed(9)
     # a partial block of output features (100 = 12 x 8 + 4, quick: 36), a width that is not a power of two, the
-    # widest K and the most rows the kernels take
+    # widest K and the most rows the kernels take; K loaded split in two blocks (576 = 512 + 64) or as one
+    # (1,000 in 1,024 columns; 2,048)
+    assert gemv.k_blocks(576) == (512, 64) and gemv.k_blocks(1000) == (1024, 0) and gemv.k_blocks(2048) == (2048, 0)
     for n, k, ts in ((36, 576, (1, 5)), (20, 2048, (8,))) if QUICK else \
             ((100, 576, (1, 5)), (40, 1000, (1, 5)), (20, 2048, (8,))):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
@@ -242,46 +222,26 @@ def _check_gemv(device, dtype):
 
 @kernel_check
 def check_gemv_rows(device, dtype):
-    """The several-row kernel (``gemv_rows``: each weight block read once for all rows) in each of its forms
-    against ``F.linear``, with the o projection's epilogue against ``gemv.linear_add_scaled`` and with the add +
-    norm prologue against gemv's ADD_NORM reference: K split in two
-    power-of-two blocks or whole, a partial last block of features, rows with a stride of their own, 2 to 8 rows,
-    two launches; and the switch (``SPECSERVE_GEMV_ROWS``): on, a several-row step takes the kernel with the
-    launch it names, a one-row step does not."""
+    """The several-row kernel (``gemv_rows``: each weight block read once for all rows) against ``F.linear``: K
+    split in two power-of-two blocks or whole, a partial last block of features, rows with a stride of their own,
+    2 to 8 rows, the default launch and another; and the choice (``rows_takes``): a several-row step takes the
+    kernel with the default launch, a one-row step does not, nor a K whose launch would not fit its registers."""
     g = torch.Generator().manual_seed(13)
     for n, k in ((40, 96), (36, 64)) if QUICK else ((100, 576), (40, 1000)):
         w = (0.05 * torch.randn(n, k, generator=g)).to(device, dtype)
         for t in (2, 5) if QUICK else (2, 5, 8):
             x = torch.randn(t, k + 8, generator=g).to(device, dtype)[:, :k]
             ref = torch.nn.functional.linear(x, w)
-            bias = torch.randn(n, generator=g).to(device, dtype)
-            add = torch.randn(t, n + 8, generator=g).to(device, dtype)[:, :n]
-            nw = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype)
-            want_s = gemv.linear_add_scaled(x, w, bias, add, nw)[0]  # the o projection's epilogue
-            res = torch.randn(t, k + 4, generator=g).to(device, dtype)[:, :k]
-            nw_k = (1 + 0.1 * torch.randn(k, generator=g)).to(device, dtype)
-            want_n, want_r = linear_ref(x, w, bias, ADD_NORM, res, nw_k, 1e-5)
-            for form in FORMS:
-                for launch in ({}, {"block": 32, "num_warps": 2}) if t == 5 else ({},):
-                    what = f"gemv rows {form} {launch} n={n} k={k} t={t}"
-                    _close(rows_linear(x, w, form, **launch), ref, dtype, what)
-                    s, scaled = rows_projection(x, w, bias, add, nw, form=form, **launch)
-                    _close(s, want_s, dtype, what + ": + bias + add")
-                    assert torch.equal(scaled, (nw.float() * s.float()).to(dtype)), what + ": scaled copy"
-                    # the residual add and RMSNorm in its prologue, as gemv's ADD_NORM
-                    got, r = rows_projection(x, w, bias, form=form, residual=res, norm_in=nw_k, eps=1e-5, **launch)
-                    _close(got, want_n, dtype, what + ": add + norm prologue")
-                    assert torch.equal(r, want_r), what + ": add + norm prologue, the new residual"
+            default = (gemv_rows.BLOCK_N, gemv_rows.NUM_WARPS)
+            for launch in (default, (16, 4)) if t == 5 else (default,):
+                _close(rows_linear(x, w, *launch), ref, dtype, f"gemv rows {launch} n={n} k={k} t={t}")
     x = torch.randn(5, k, generator=g).to(device, dtype)
-    with env("SPECSERVE_GEMV_ROWS", "turn,8,2"):
-        assert rows_takes(x, w) and not rows_takes(x[:1], w)
-        assert torch.equal(rows_linear(x, w), rows_linear(x, w, "turn", 8, 2))
-    with env("SPECSERVE_GEMV_ROWS", "0"):
-        assert not rows_takes(x, w)
-    with env("SPECSERVE_GEMV_ROWS", "dot,32,2"):  # K = 1000 (1,024 padded): weights and rows would not fit
-        wide = torch.zeros(5, 1000, device=device, dtype=dtype)
-        assert rows_takes(wide[:, :64], torch.zeros(8, 64, device=device, dtype=dtype))
-        assert not rows_takes(wide, torch.zeros(8, 1000, device=device, dtype=dtype))
+    assert rows_takes(x, w) and not rows_takes(x[:1], w)
+    assert torch.equal(rows_linear(x, w), rows_linear(x, w, gemv_rows.BLOCK_N, gemv_rows.NUM_WARPS))
+    # K = 1000 (1,024 padded): weights and rows would not fit
+    wide = torch.zeros(5, 1000, device=device, dtype=dtype)
+    assert rows_takes(wide[:, :64], torch.zeros(8, 64, device=device, dtype=dtype))
+    assert not rows_takes(wide, torch.zeros(8, 1000, device=device, dtype=dtype))
 
 
 @kernel_check
@@ -301,18 +261,24 @@ def check_norm_fold(device, dtype):
         mlp.to(device, dtype)
         norm.to(device, dtype)
         w_o = (torch.randn(h, a, generator=g) / a ** 0.5).to(device, dtype)
-        for t, rows in ((1, "0"), (5, "0"), (5, "dot")):  # gate/up by cuBLAS, or by gemv_rows' kernel
+        # gate/up by cuBLAS (one row; 5 rows with the several-row kernel's lower bound raised past them, as
+        # for a model too wide for it), or by gemv_rows' kernel
+        for t, rows in ((1, False), (5, False), (5, True)):
             attn = torch.randn(t, a, generator=g).to(device, dtype)
             stream = torch.randn(t, h, generator=g).to(device, dtype)
             s, scaled = gemv.linear_add_scaled(attn, w_o, None, stream, norm.weight)
             o = fused_linear(attn, w_o)[0]
             want, want_s = mlp.after_norm(norm, o, stream)
             _close(s, want_s, dtype, f"norm fold: stream h={h} t={t}")
-            with env("SPECSERVE_GEMV_ROWS", rows):
-                assert rows_takes(scaled, mlp.gate_up_proj.weight) == (rows != "0")
+            min_rows = gemv_rows.MIN_ROWS
+            gemv_rows.MIN_ROWS = min_rows if rows else gemv.MAX_ROWS + 1
+            try:
+                assert rows_takes(scaled, mlp.gate_up_proj.weight) == rows
                 _close(mlp.from_stream(norm, s, scaled), want, dtype, f"norm fold: mlp h={h} t={t} rows={rows}")
                 _close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream), dtype,
                        f"norm fold: mlp + stream h={h} t={t} rows={rows}")
+            finally:
+                gemv_rows.MIN_ROWS = min_rows
 
 
 @kernel_check

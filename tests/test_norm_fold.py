@@ -41,7 +41,8 @@ def test_the_folded_mlp_is_the_mlp_after_the_norm(t):
     torch.testing.assert_close(mlp.from_stream(norm, s, scaled, add_stream=True), mlp.after_norm_sum(norm, o, stream))
 
 
-def test_the_fold_is_taken_only_where_gate_up_leaves_the_kernel(monkeypatch):
+def test_the_fold_is_taken_only_where_gate_up_runs_without_a_norm_prologue(monkeypatch):
+    """Where gate/up leaves the one-row kernel (cuBLAS), or where the several-row kernel takes it."""
     x = torch.zeros(5, 48, dtype=torch.bfloat16)
     mlp, _ = _mlp(48, 80)
     biased, _ = _mlp(48, 80, bias=True)
@@ -51,10 +52,8 @@ def test_the_fold_is_taken_only_where_gate_up_leaves_the_kernel(monkeypatch):
     assert mlp.norm_folds(x) and not mlp.norm_folds(x[:2])  # 5 rows leave the gate/up kernel, 2 do not
     assert not biased.norm_folds(x)  # a gate/up bias cannot be added after the 1 / rms scaling
     assert not mlp.norm_folds(x.half())  # float16: rms(s) * gate/up could overflow
-    monkeypatch.setenv("SPECSERVE_NORM_FOLD", "0")
-    assert not mlp.norm_folds(x)
-    monkeypatch.setenv("SPECSERVE_NORM_FOLD", "always")
-    assert mlp.norm_folds(x[:2])
+    monkeypatch.setattr(layers, "rows_takes", lambda x, w: x.shape[0] == 2)  # gemv_rows' kernel takes gate/up
+    assert mlp.norm_folds(x[:2]) and not biased.norm_folds(x[:2])
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,7 @@ def test_the_engine_with_the_norm_folded_gives_the_same_greedy_tokens(dirs, spec
     want = tokens()
     calls = []
     monkeypatch.setattr(SwiGLU, "few_row_path", lambda self, x: x.dim() == 2 and x.shape[0] <= 8)
-    monkeypatch.setenv("SPECSERVE_NORM_FOLD", "always")
+    monkeypatch.setattr(layers, "takes_kernel", lambda n, k, t: False)  # every few-row step folds
     from_stream = SwiGLU.from_stream
     monkeypatch.setattr(SwiGLU, "from_stream", lambda self, *a, **k: calls.append(1) or from_stream(self, *a, **k))
     assert tokens() == want

@@ -16,11 +16,16 @@ import torch
 
 log = logging.getLogger("specserve")
 FAILED: set[str] = set()  # kernels that did not build on this machine (their callers run the reference)
+# The debugging variables (README.md, "Debugging variables"), read here only, once: SPECSERVE_TRITON=0 runs every
+# kernel's PyTorch reference (to tell a kernel bug from a model one), SPECSERVE_PDL=0 launches every kernel the
+# ordinary way, without programmatic dependent launch (``pdl.py``)
+TRITON_OFF = os.environ.get("SPECSERVE_TRITON") == "0"
+PDL_OFF = os.environ.get("SPECSERVE_PDL") == "0"
 
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    if os.environ.get("SPECSERVE_TRITON", "1") == "0":
+    if TRITON_OFF:
         return False
     from specserve.kernels._triton import HAVE_TRITON
 

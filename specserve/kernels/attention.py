@@ -44,9 +44,8 @@ ONE_SPLIT_KEYS = 256  # block tables up to this many positions: SHORT_SPLIT posi
 # A short table splits too where the o projection merges the splits in its prologue (no merge kernel:
 # ``split_short``) and the step has tiles of at most 32 query rows (decode, verify and prefills of a few tokens)
 # and at most SHORT_PROGRAMS (row, query tile, KV head) programs, in SHORT_SPLIT-position splits (at most
-# MIN_SPLITS). At 256 positions (batch 1, bf16, H200; docs/BENCHMARKS.md, twenty-seventh session) 4 splits of
-# 64 keys made a 1 + 4-token verify step 84 us shorter (0.644 -> 0.560 ms) and a decode step 22 us (the rule as
-# the default timed the same, twenty-eighth session); batches of 2-10 rows (up to 32 programs of the default
+# MIN_SPLITS). At 256 positions (batch 1, bf16, H200) 4 splits of 64 keys made a 1 + 4-token verify step 84 us
+# shorter (0.644 -> 0.560 ms) and a decode step 22 us; batches of 2-10 rows (up to 32 programs of the default
 # model) split alike, not measured.
 SHORT_SPLIT = 64
 SHORT_PROGRAMS = 32
@@ -55,11 +54,6 @@ SHORT_PROGRAMS = 32
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
-# Launch overrides for measurements, SPECSERVE_ATTN="splits1=8,splitsN=8,bn1=64,bnN=64": key splits (splits1:
-# steps of one query per row, decode; splitsN: of several, verify and prefill steps that split; also short
-# tables of decode and verify steps) and key positions per inner iteration
-ATTN_OVERRIDE = {k: int(v) for k, v in
-                 (item.split("=") for item in os.environ.get("SPECSERVE_ATTN", "").split(",") if item)}
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -99,9 +93,6 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
     block_m, qpt, n_qt = query_tiling(qw, g)
     splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
                             short=split_short and block_m <= 32)
-    over = ATTN_OVERRIDE.get("splits1" if qw == 1 else "splitsN")
-    if over and (splits > 1 or qw <= 16):  # not prefill chunks' one split
-        splits = over
     return block_m, qpt, n_qt, splits
 
 
@@ -139,8 +130,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     share = triton.next_power_of_2(triton.cdiv(keys, num_splits))  # a split's keys, as a power of two
     # keys per inner iteration: where the table splits, at most a split's share, so that every split walks keys
     if not block_n:
-        block_n = ATTN_OVERRIDE.get("bn1" if qw == 1 else "bnN") or (
-            BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE)
+        block_n = BLOCK_N if q.element_size() == 2 and block_m <= 32 else BLOCK_N_WIDE
         if num_splits > 1:
             block_n = max(16, min(block_n, share))
     # key positions per split: a power of two (few compiled variants) covering the table

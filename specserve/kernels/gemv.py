@@ -14,13 +14,11 @@ round unlike decode rows, as they did with cuBLAS alone (bfloat16 outputs with a
 part at near-ties; float32 on the CPU stays exact). Prologue rounding follows the unfused kernels
 (``rms_norm_ref``, ``silu_and_mul_ref``); only the dot product's summation order differs from cuBLAS.
 (Tile kernels taking all rows of a step in one program per feature block, each projection with its prologue, were
-slower on the H200, looping over K or loading it whole: docs/BENCHMARKS.md, eighth and ninth sessions. Without a
-prologue, a verify step's gate/up is faster that way: ``gemv_rows``, twenty-first session.)
+slower on the H200, looping over K or loading it whole. Without a prologue, a verify step's gate/up is faster that
+way: ``gemv_rows``.)
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -41,29 +39,23 @@ MAX_K = 2048  # widest reduced dimension loaded in one piece
 TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread at 4 warps
 # More programs than this (token rows x feature blocks) run on cuBLAS instead (see linear_ref): on the
 # H200 the gate/up projection of a 1 + 4-token verify step (1,920 programs) took 7.4-8.8 µs in every launch
-# tried, cuBLAS and the norm kernel 6.0 (docs/BENCHMARKS.md, tenth session); 1,024 keeps every other
-# projection of the default model's verify steps on these kernels, and with ``WIDE`` tiles (960 programs) that one.
-MAX_PROGRAMS = int(os.environ.get("SPECSERVE_GEMV_PROGRAMS", "1024"))  # 0: no limit (measurements)
+# tried, cuBLAS and the norm kernel 6.0; 1,024 keeps every other projection of the default model's verify steps
+# on these kernels, and with ``WIDE`` tiles (960 programs) that one.
+MAX_PROGRAMS = 1024
 NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues (4: qkv_rope's EMBED_CAT)
 # SiLU(gate) * up of a gate/up projection run on the stream s times the norm's weight (``norm_folds``):
 # gate and up are first scaled by the row's 1 / rms(s), the ``residual`` argument holding s [T, H]
 SILU_MUL_RSTD = 5
 # The o projection of a step whose attention split its keys merges the splits' partial sums in its prologue
-# (``merged_linear``): one merge kernel fewer per layer. SPECSERVE_ATTN_MERGE_FOLD=0 runs the merge kernel.
+# (``merged_linear``): one merge kernel fewer per layer. The attention step leaves its splits unmerged for it
+# where ``merges_splits`` (tests set this False to run the merge kernel instead).
 ATTN_MERGE = 6
-MERGE_FOLD = os.environ.get("SPECSERVE_ATTN_MERGE_FOLD", "1") != "0"
+MERGE_FOLD = True
 MERGE_MAX_SPLITS = 8  # every program merges every split (tables up to 2,048 keys); longer ones: the merge kernel
-# Issue a program's weight loads before its prologue (the input row, its norm): SPECSERVE_GEMV_WFIRST=0 issues them
-# after it, as before (measurements: docs/BENCHMARKS.md, eleventh session)
-WFIRST = os.environ.get("SPECSERVE_GEMV_WFIRST", "1") != "0"
 # Several-row steps take this many times the features per program ``block_n``'s fitted rules give: with
 # programmatic dependent launch (kernels/pdl.py) a kernel's successor overlaps it only once all its programs have
-# started, so fewer, wider programs won (docs/BENCHMARKS.md, nineteenth session). SPECSERVE_GEMV_WIDE=1: the rules.
-WIDE = max(1, int(os.environ.get("SPECSERVE_GEMV_WIDE", "2")))
-# Features per program of several-row steps through chosen weights, for measurements: "NxK:BN,..." (e.g.
-# SPECSERVE_GEMV_BN=576x576:32 for the default model's o projection), in place of ``block_n``'s rules.
-BN_OVERRIDE = {tuple(int(v) for v in key.split("x")): int(bn) for key, bn in
-               (item.split(":") for item in os.environ.get("SPECSERVE_GEMV_BN", "").split(",") if item)}
+# started, so fewer, wider programs won (the fitted rules alone timed slower on the H200).
+WIDE = 2
 
 
 def gemv_enabled(x: torch.Tensor, k: int) -> bool:
@@ -73,20 +65,18 @@ def gemv_enabled(x: torch.Tensor, k: int) -> bool:
 
 def _rows_enabled(like: torch.Tensor, t: int, k: int) -> bool:
     """Whether a ``t``-row step of ``like``'s dtype and device with reduced width ``k`` takes these kernels."""
-    return (use_triton(like) and os.environ.get("SPECSERVE_GEMV", "1") != "0" and kernel_usable("gemv")
+    return (use_triton(like) and kernel_usable("gemv")
             and 0 < t <= MAX_ROWS and k <= MAX_K and like.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def block_n(n: int, k: int, t: int = 1) -> int:
     """Output features per program for an [n, k] weight and ``t`` token rows. One row: a fixed tile. Several:
-    fitted to the H200 at 5 rows (docs/BENCHMARKS.md, eighth and tenth sessions): a wide K takes twice the
+    fitted to the H200 at 5 rows: a wide K takes twice the
     features per program (the down projection: 4.05 against 4.74 µs), and a projection with few programs
     takes half as many (the o projection, 360 -> 720 programs: 2.39 against 2.61 µs); then ``WIDE`` times that
     (a 1 + 4-token verify step's gate/up projection: 960 programs, on this kernel instead of cuBLAS)."""
     bn = max(1, min(TILE // triton.next_power_of_2(k), triton.next_power_of_2(n)))
     if t > 1:
-        if (n, k) in BN_OVERRIDE:
-            return BN_OVERRIDE[n, k]
         if k > 1024:
             bn *= 2
         elif bn > 1 and triton.cdiv(n, bn) * t < 512:
@@ -121,10 +111,9 @@ def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_w
 def k_blocks(k: int) -> tuple[int, int]:
     """The reduced width as loaded: (K1, K2), the largest power of two below K and the power of two covering
     the rest (576 = 512 + 64 instead of 1,024 columns of which 448 masked off: fewer registers and lanes), where
-    that is narrower than one block of the next power of two; else (that block, 0). SPECSERVE_GEMV_SPLITK=0
-    always loads one block (measurements: docs/BENCHMARKS.md, tenth session)."""
+    that is narrower than one block of the next power of two; else (that block, 0)."""
     full = triton.next_power_of_2(k)
-    if os.environ.get("SPECSERVE_GEMV_SPLITK", "1") == "0" or full == k:
+    if full == k:
         return full, 0
     k1 = full // 2
     k2 = triton.next_power_of_2(k - k1)
@@ -213,9 +202,9 @@ def merge_block_n(n: int, k: int, t: int) -> int:
     """Output features per program of ``merged_linear``: twice ``block_n``'s for several rows. Each program
     merges its row's splits again, so fewer, wider programs merge less often: a 1 + 4-token verify step of the
     default model (o projection 16 features a program, 180 programs, against 8 and 360) took 34-39 µs less on
-    the H200 at contexts 256 and 512 (docs/BENCHMARKS.md, twenty-seventh session)."""
+    the H200 at contexts 256 and 512."""
     bn = block_n(n, k, t)
-    if t == 1 or (n, k) in BN_OVERRIDE:
+    if t == 1:
         return bn
     return min(2 * bn, triton.next_power_of_2(n))
 
@@ -261,7 +250,7 @@ def _fusable(x, weight, *rows) -> bool:
 
 def _programs_ok(programs_per_row: int, t: int) -> bool:
     """Whether a step of ``t`` rows stays on these kernels (``MAX_PROGRAMS``; one row always does)."""
-    return t == 1 or not MAX_PROGRAMS or programs_per_row * t <= MAX_PROGRAMS
+    return t == 1 or programs_per_row * t <= MAX_PROGRAMS
 
 
 def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, out, res_out, parts, bn, num_warps,
@@ -285,7 +274,7 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
             scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)),
             *margs, **mconst, K=k,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
-            BLOCK_N=bn, K1=k1, K2=k2, WFIRST=WFIRST, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
+            BLOCK_N=bn, K1=k1, K2=k2, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
             HNP=triton.next_power_of_2(hn), num_warps=num_warps, **kernel_args(x))
     except Exception as e:
         kernel_failed("gemv_merge" if merge is not None else "gemv", e)
@@ -300,8 +289,8 @@ if HAVE_TRITON:
                      MHD: tl.constexpr, MNS: tl.constexpr, MD: tl.constexpr, MHKV: tl.constexpr, K: tl.constexpr,
                      PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                      HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                     WFIRST: tl.constexpr, ARGMAX: tl.constexpr, HAS_OUT2: tl.constexpr, HN: tl.constexpr,
-                     HNP: tl.constexpr, PDL: tl.constexpr):
+                     ARGMAX: tl.constexpr, HAS_OUT2: tl.constexpr, HN: tl.constexpr, HNP: tl.constexpr,
+                     PDL: tl.constexpr):
         """K is loaded as one block of K1 columns, or (K2 > 0) as two, K1 + K2, both powers of two. ARGMAX: each
         program also writes the largest of its outputs (as rounded) and its column to PV / PI [T, programs].
         HAS_OUT2: the outputs times NW2 [N] also go to OUT2 [T, N]. HN (HNP: its power of two): the width of
@@ -320,7 +309,7 @@ if HAVE_TRITON:
             acc = _gemv_dot(w1, w2, a1, a2, K2)
         else:
             acc = _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K, PROLOGUE,
-                            HAS_SCALE, K1, K2, WFIRST, HN, HNP, PDL)  # [BLOCK_N]
+                            HAS_SCALE, K1, K2, HN, HNP, PDL)  # [BLOCK_N]
         if HAS_BIAS:
             acc += tl.load(BIAS + cols, mask=nm, other=0.0).to(tl.float32)
         if HAS_ADD:
@@ -340,16 +329,14 @@ if HAVE_TRITON:
     @triton.jit
     def _gemv_acc(X, RES, RES_OUT, NW, W, SCALE, t, cols, nm, eps, s_x, s_r, s_w, pid, K: tl.constexpr,
                   PROLOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
-                  WFIRST: tl.constexpr, HN: tl.constexpr, HNP: tl.constexpr, PDL: tl.constexpr):
-        """prologue(row t of X) . W[cols] (* SCALE[cols]) in float32 [len(cols)]. WFIRST issues the weight loads
+                  HN: tl.constexpr, HNP: tl.constexpr, PDL: tl.constexpr):
+        """prologue(row t of X) . W[cols] (* SCALE[cols]) in float32 [len(cols)]. The weight loads are issued
         before the prologue (whose reductions wait on barriers), so their latency overlaps it (and, with PDL,
-        the predecessor kernel's tail)."""
-        if WFIRST:
-            w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
+        the predecessor kernel's tail); on the H200 a step timed the same or slightly shorter than with them
+        issued after it."""
+        w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
         pdl_wait(PDL)
         a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2, HN, HNP)
-        if not WFIRST:
-            w1, w2 = _gemv_weights(W, cols, nm, s_w, K, K1, K2)
         acc = _gemv_dot(w1, w2, a1, a2, K2)
         if HAS_SCALE:
             acc *= tl.load(SCALE + cols, mask=nm, other=1.0).to(tl.float32)

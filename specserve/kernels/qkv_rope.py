@@ -10,20 +10,16 @@ activations' dtype, then the rotation in float32 with cos / sin rounded to that 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specserve.kernels import gemv, gemv_rows, kernel_failed, kernel_usable
 from specserve.kernels.pdl import kernel_args
 
 EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
-# Steps of several rows take this many times the pairs per program of one row (``gemv.WIDE``'s idea for this
-# kernel: a verify step's programs are 1 + D times a decode step's); 1 keeps one row's launch (measurements)
-WIDE = 1 << (max(1, int(os.environ.get("SPECSERVE_QKV_ROPE_WIDE", "1"))).bit_length() - 1)  # a power of two
-# steps of several rows on ``_qkv_rows_kernel`` (``rows_setting``): 16 pairs per program, 4 warps (H200, a 5-row
-# step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72; docs/BENCHMARKS.md)
-ROWS_DEFAULT = "16,4"
+# Steps of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows on ``_qkv_rows_kernel``: 16 pairs per program, 4 warps
+# (H200, a 5-row step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72)
+ROWS_PAIRS = 16
+ROWS_WARPS = 4
 
 from specserve.kernels._triton import HAVE_TRITON, tl, triton
 
@@ -37,28 +33,29 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
                    v_cache, slot_mapping, hq: int, hkv: int, d: int, embed=None):
     """x [T, K]; weight [(Hq + 2 Hkv) * D, K] -> (rotated q [T, Hq, D], new residual stream or None) with k
     (rotated) and v written to the caches [blocks, block_size, Hkv, D] at ``slot_mapping`` [T]; or None where
-    the kernel does not apply (the caller then runs ``fused_linear`` and ``rope_and_cache``; SPECSERVE_QKV_ROPE=0
-    always does, for measurements). ``embed`` = (ids [T], table [V, H], embedding norm weight [H]) with
-    prologue EMBED_CAT: the input row is ``embed_norm_cat``'s, cat(norm(table[ids]), norm(x)) [2H] (a draft
-    head's layer; ``norm_weight`` is the hidden half's), K = 2H."""
+    the kernel does not apply (the caller then runs ``fused_linear`` and ``rope_and_cache``). A step of
+    ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows without EMBED_CAT runs ``_qkv_rows_kernel`` where that
+    applies, each weight block read once for all rows; other steps one program per row. ``embed`` = (ids [T],
+    table [V, H], embedding norm weight [H]) with prologue EMBED_CAT: the input row is ``embed_norm_cat``'s,
+    cat(norm(table[ids]), norm(x)) [2H] (a draft head's layer; ``norm_weight`` is the hidden half's), K = 2H."""
     n, k = weight.shape
     half = d // 2
     kx = k // 2 if prologue == EMBED_CAT else k  # the width of x (and of each half's norm)
     rows = (residual, norm_weight, bias) + ((embed[1], embed[2]) if prologue == EMBED_CAT else ())
-    if (os.environ.get("SPECSERVE_QKV_ROPE", "1") == "0" or not kernel_usable("qkv_rope") or d % 2 or n != (hq + 2 * hkv) * d
+    if (not kernel_usable("qkv_rope") or d % 2 or n != (hq + 2 * hkv) * d
             or (prologue == EMBED_CAT) != (embed is not None) or x.shape[-1] != kx
             or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or not gemv._fusable(x, weight, *rows)):
         return None
     t = x.shape[0]
-    if prologue in (gemv.NONE, gemv.NORM, gemv.ADD_NORM) and rows_setting() is not None \
-            and gemv_rows.MIN_ROWS <= t <= gemv.MAX_ROWS and kernel_usable("qkv_rows"):
+    if prologue in (gemv.NONE, gemv.NORM, gemv.ADD_NORM) and gemv_rows.MIN_ROWS <= t <= gemv.MAX_ROWS \
+            and kernel_usable("qkv_rows"):
         fused = _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache,
                           k_cache, v_cache, slot_mapping, hq, hkv, d)
         if fused is not None:
             return fused
     # pairs per program: a power of two dividing D/2, from x's width (EMBED_CAT: one half of the input row); the
-    # same for any number of rows unless WIDE > 1
-    hb = max(1, min(gemv.block_n(n, kx, 1) // 2 * (WIDE if t > 1 else 1), half & -half))
+    # same for any number of rows (twice as many for several rows, as ``gemv.WIDE`` does, was not adopted)
+    hb = max(1, min(gemv.block_n(n, kx, 1) // 2, half & -half))
     programs = (hq + 2 * hkv) * (half // hb)
     if not gemv._programs_ok(programs, t):
         return None
@@ -74,32 +71,18 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             x.stride(0), residual.stride(0) if residual is not None else 0, table.stride(0), weight.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=kx,
             PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2,
-            WFIRST=gemv.WFIRST, **kernel_args(x))
+            **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rope", e)
         return None
     return q_out, res_out
 
 
-def rows_setting() -> tuple[int, int] | None:
-    """``SPECSERVE_QKV_ROWS`` = ``PAIRS,WARPS``: a step of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows runs
-    ``_qkv_rows_kernel`` (each weight block read once for all rows, as ``gemv_rows``' ``dot`` form) with PAIRS
-    pairs of features per program and WARPS warps; 0: one program per row, as a decode step -> (pairs, warps)
-    or None. Read at each call (tests switch it)."""
-    spec = os.environ.get("SPECSERVE_QKV_ROWS", ROWS_DEFAULT)
-    if spec in ("", "0"):
-        return None
-    parts = spec.split(",")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"SPECSERVE_QKV_ROWS={spec!r}: PAIRS,WARPS (e.g. 16,4) or 0")
-    return int(parts[0]), int(parts[1])
-
-
 def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache, k_cache,
               v_cache, slot_mapping, hq, hkv, d, setting=None):
     """``qkv_rope_cache`` for a step of several rows on ``_qkv_rows_kernel``, or None where it does not apply
-    (``setting``: (pairs, warps), else ``rows_setting()``)."""
-    hb, warps = setting or rows_setting()
+    (``setting``: (pairs, warps), else (``ROWS_PAIRS``, ``ROWS_WARPS``); benchmarks and tests name others)."""
+    hb, warps = setting or (ROWS_PAIRS, ROWS_WARPS)
     t, k, half = x.shape[0], weight.shape[1], d // 2
     hb = min(hb, half)
     # tl.dot's N is at least 16; wider K than ``gemv_rows.fits`` spills (K = 1,536 at 16 pairs / 4 warps: 488
@@ -129,10 +112,9 @@ if HAVE_TRITON:
     def _qkv_rope_kernel(X, RES, RES_OUT, NW, W, BIAS, IDS, E, NWE, QO, KC, VC, POS, SLOT, COS, SIN, eps, s_x, s_r,
                          s_e, s_w, sc_blk, sc_slot, sc_h, s_cos, BS, K: tl.constexpr, PROLOGUE: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HB: tl.constexpr, HALF: tl.constexpr, HQ: tl.constexpr,
-                         HKV: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, WFIRST: tl.constexpr,
-                         PDL: tl.constexpr):
-        """K: the width of x (EMBED_CAT: of each half of the input row). With PDL only the weights are
-        loaded before the predecessor kernel completes."""
+                         HKV: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, PDL: tl.constexpr):
+        """K: the width of x (EMBED_CAT: of each half of the input row). The weights are loaded first, before
+        the prologue (as ``gemv._gemv_acc``), and with PDL before the predecessor kernel completes."""
         pdl_begin(PDL)
         pid = tl.program_id(0)
         t = tl.program_id(1).to(tl.int64)  # the token row
@@ -142,31 +124,21 @@ if HAVE_TRITON:
         cols2 = cols1 + HALF
         nm = c < HALF
         if PROLOGUE == 4:  # EMBED_CAT: columns [0, K) take norm(E[id]) (weights NWE), [K, 2K) norm(x) (NW)
-            if WFIRST:
-                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
-                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
-                v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
-                z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
+            w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+            u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+            v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
+            z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
             pdl_wait(PDL)
             tok = tl.load(IDS + t).to(tl.int64)
             e1, e2 = _gemv_prologue(E, RES, RES_OUT, NWE, tok, eps, s_e, 0, pid, K, 1, K1, K2, 1, 1)
             a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, 0, pid, K, 1, K1, K2, 1, 1)
-            if not WFIRST:
-                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
-                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
-                v1, v2 = _gemv_weights(W + K, cols1, nm, s_w, K, K1, K2)
-                z1, z2 = _gemv_weights(W + K, cols2, nm, s_w, K, K1, K2)
             p1 = _gemv_dot(w1, w2, e1, e2, K2) + _gemv_dot(v1, v2, a1, a2, K2)
             p2 = _gemv_dot(u1, u2, e1, e2, K2) + _gemv_dot(z1, z2, a1, a2, K2)
         else:
-            if WFIRST:
-                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
-                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
+            w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
+            u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
             pdl_wait(PDL)
             a1, a2 = _gemv_prologue(X, RES, RES_OUT, NW, t, eps, s_x, s_r, pid, K, PROLOGUE, K1, K2, 1, 1)
-            if not WFIRST:
-                w1, w2 = _gemv_weights(W, cols1, nm, s_w, K, K1, K2)
-                u1, u2 = _gemv_weights(W, cols2, nm, s_w, K, K1, K2)
             p1 = _gemv_dot(w1, w2, a1, a2, K2)
             p2 = _gemv_dot(u1, u2, a1, a2, K2)
         if HAS_BIAS:

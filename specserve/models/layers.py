@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -13,7 +12,7 @@ from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import (ADD_NORM, NORM, SILU_MUL, SILU_MUL_RSTD, fused_argmax, fused_linear, gemv_enabled,
                                     takes_kernel)
-from specserve.kernels.gemv_rows import rows_linear, rows_norm, rows_projection, rows_takes
+from specserve.kernels.gemv_rows import rows_linear, rows_takes
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -25,10 +24,9 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
-# The one-row int8 output layer's launch: 32 features per program, 4 warps (the H200 sweep of
-# benchmarks/bench_lm_head.py, tenth session); SPECSERVE_GEMV_LM_LAUNCH="BLOCK_N,WARPS" sets another
-_LM_LAUNCH = dict(zip(("block", "num_warps"),
-                      map(int, os.environ.get("SPECSERVE_GEMV_LM_LAUNCH", "32,4").split(","))))
+# The one-row int8 output layer's launch: 32 features per program, 4 warps (the best of the H200 sweep of
+# benchmarks/bench_lm_head.py)
+_LM_LAUNCH = dict(block=32, num_warps=4)
 
 
 def normed_logits(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=None) -> torch.Tensor:
@@ -170,14 +168,11 @@ class SwiGLU(nn.Module):
         projection scales gate and up by 1 / rms(s) (``from_stream``). So it does where the step has too many
         rows for the one-row-per-program kernel (cuBLAS runs gate/up: a step of 6-8 rows of the default model,
         or a wider model's verify step), or where the kernel reading each weight block once for all rows takes
-        it (``gemv_rows``, unless SPECSERVE_GEMV_ROWS_NORM=1 puts the norm in its prologue). Not in float16: the
-        gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range.
-        SPECSERVE_NORM_FOLD=0: never (measurements); =always: in every few-row step (tests: a tiny model's steps
-        fit the kernel)."""
-        gu, mode = self.gate_up_proj, os.environ.get("SPECSERVE_NORM_FOLD", "1")
-        return (mode != "0" and x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
-                and (mode == "always" or (rows_takes(x, gu.weight) and not rows_norm())
-                     or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
+        it (``gemv_rows``: that kernel with the norm in its prologue instead timed slower). Not in float16: the
+        gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range."""
+        gu = self.gate_up_proj
+        return (x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
+                and (rows_takes(x, gu.weight) or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
 
     def from_stream(self, norm: RMSNorm, s: torch.Tensor, scaled: torch.Tensor, add_stream: bool = False):
         """``self(norm(s))`` (+ s with ``add_stream``) where ``norm_folds``: s [T, H] is the stream, ``scaled``
@@ -189,12 +184,6 @@ class SwiGLU(nn.Module):
                             add=s if add_stream else None)[0]
 
     def _normed_gate_up(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
-        """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual); with
-        SPECSERVE_GEMV_ROWS_NORM=1, on ``gemv_rows``' kernel where that takes the step."""
-        gu = self.gate_up_proj
-        if rows_norm() and rows_takes(x, gu.weight):
-            out = rows_projection(x, gu.weight, gu.bias, residual=residual, norm_in=norm.weight, eps=norm.eps)
-            if out is not None:
-                return out
+        """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual)."""
         return fused_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, ADD_NORM, residual, norm.weight,
                             norm.eps)

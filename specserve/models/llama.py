@@ -18,7 +18,6 @@ from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.attention import AttnPartials
 from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, fused_linear, linear_add_scaled,
                                     merged_linear, merges_splits)
-from specserve.kernels.gemv_rows import rows_projection, rows_takes
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
@@ -129,19 +128,8 @@ class Attention(nn.Module):
         """out [..., Hq * D] -> the o projection [..., H]; with ``fold`` (an RMSNorm) and ``stream`` [..., H]:
         (o + stream, (o + stream) * fold.weight)."""
         if fold is not None:
-            o = self._rows_o(out, fold, stream)
-            if o is not None:
-                return o
             return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
         return linear(self.o_proj, out)
-
-    def _rows_o(self, x, fold, stream):
-        """With ``fold``, where the kernel reading each weight block once for all rows takes this step's o
-        projection (``gemv_rows``, SPECSERVE_GEMV_ROWS_O; x [T, Hq * D]): (s, s * fold.weight) as ``_o_proj``
-        gives them; else None."""
-        if fold is None or x.dim() != 2 or not rows_takes(x, self.o_proj.weight, o=True):
-            return None
-        return rows_projection(x, self.o_proj.weight, self.o_proj.bias, stream, fold.weight, o=True)
 
 
 class DecoderLayer(nn.Module):
