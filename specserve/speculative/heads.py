@@ -10,7 +10,6 @@ and the embedding of the token at ``i + 1``; its output predicts the token at ``
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +114,7 @@ class DraftHead(nn.Module):
         """Bytes one draft step reads of its output layer ``w`` [V', H] (``normed_logits`` / ``normed_argmax``)."""
         with torch.inference_mode():
             one_row = rows == 1 and gemv_enabled(w.new_empty(1, w.shape[1]), w.shape[1])
-        if one_row and self.int8_output(w) is not None:
+        if one_row:
             return w.numel() + 4 * w.shape[0]  # int8 rows and a float32 scale each
         return w.numel() * w.element_size()
 
@@ -148,11 +147,9 @@ class DraftHead(nn.Module):
 
     def int8_output(self, weight: torch.Tensor, norm: RMSNorm | None = None):
         """A callable giving ``weight`` [V', H] quantized to int8 rows (``derived``: made on the first one-row
-        draft step), or None with SPECSERVE_DRAFT_INT8=0. Only the argmax of a draft's logits matters, and it
-        reads half the bytes. With ``norm`` (the RMSNorm before the layer): the rows times its weight, for
-        ``normed_argmax``, which then skips the norm."""
-        if os.environ.get("SPECSERVE_DRAFT_INT8", "1") == "0":
-            return None
+        draft step). Only the argmax of a draft's logits matters, and it reads half the bytes of bfloat16. With
+        ``norm`` (the RMSNorm before the layer): the rows times its weight, for ``normed_argmax``, which then skips
+        the norm."""
         if norm is None:
             return lambda: self.derived("int8", (weight,), lambda: quantize_rows(weight))
         return lambda: self.derived("int8_folded", (weight, norm.weight),
@@ -173,13 +170,10 @@ class DraftHead(nn.Module):
     def step0(self, x: DraftInputs, kv: list) -> torch.Tensor:
         """Draft step 0 over every token of the step -> the module's output at each row's last accepted token
         [B, H]. Every token writes its head KV; attention, the o projection and the MLP run for the B last
-        tokens only (their outputs are the only ones read). SPECSERVE_DRAFT_ROWS=all: for all T tokens, then
-        a gather (measurements)."""
+        tokens only (their outputs are the only ones read)."""
         ids = x.step0_ids  # [T]
         h = self.first_hidden(x.hidden, x.aux)  # [T, H]
         kv0 = kv[self.kv_layer(0)]
-        if os.environ.get("SPECSERVE_DRAFT_ROWS", "last") == "all":
-            return self.run_module(0, ids, x.positions, h, x.meta, kv0)[x.last_idx]
         # nothing writes through this layout: step 0's KV is written over all T tokens
         layout = _one_query_layout(x, x.last_pos, x.meta.slot_mapping[:0])
         return self.run_module(0, ids, x.positions, h, x.meta, kv0, rows=(x.last_idx, layout))
