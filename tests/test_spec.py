@@ -225,16 +225,18 @@ def test_chunked_prefill_head_kv_equals_unchunked(dirs, head):
 
 
 @pytest.mark.parametrize("head", ["eagle3-d4", "mtp_eagle-d3"])
-def test_draft_step0_over_last_tokens_equals_all_tokens(dirs, head, monkeypatch):
+def test_draft_step0_over_last_tokens_equals_all_tokens(dirs, head):
     # draft step 0 runs attention and the MLP for each row's last accepted token only; computing every token
-    # and gathering (SPECSERVE_DRAFT_ROWS=all) must give the same outputs, KV and drafts, chunked prefill and
-    # mixed batches included
+    # and gathering must give the same outputs, KV and drafts, chunked prefill and mixed batches included
+    def all_tokens(h, x, kv):  # the module over all T tokens, then each row's last one
+        return h.run_module(0, x.step0_ids, x.positions, h.first_hidden(x.hidden, x.aux), x.meta,
+                            kv[h.kv_layer(0)])[x.last_idx]
+
     def run(mode):
-        monkeypatch.setenv("SPECSERVE_DRAFT_ROWS", mode)
         llm = llm_for(dirs, spec_cfg(dirs, head), max_num_batched_tokens=7)
         h = llm.engine.runner.head
         outs, drafts = [], []
-        step0, propose = h.step0, h.propose
+        step0, propose = (h.step0 if mode == "last" else lambda x, kv: all_tokens(h, x, kv)), h.propose
         h.step0 = lambda x, kv: outs.append(step0(x, kv)) or outs[-1]
         h.propose = lambda x, kv, out=None: drafts.append(propose(x, kv)) or drafts[-1]  # a new tensor each step
         tokens = [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)]
