@@ -12,6 +12,8 @@ kernels, the gaps between a step's kernels and idle time between steps (the host
     python benchmarks/profile_step.py --model /root/model.gguf --draft specserve/heads/smollm2-135m-eagle3
     python benchmarks/profile_step.py --model /root/model.gguf --no-spec
     python benchmarks/profile_step.py --summarize prof.json   # a saved timeline's per-layer kernel costs
+
+The per-layer costs come from ``specserve.bench.timeline.layer_costs`` (tested in tests/test_bench.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 from collections import defaultdict
 
 import torch
+
+from specserve.bench.timeline import format_layer_costs
 
 
 def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline: bool = False) -> dict:
@@ -73,32 +77,10 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline
             "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows], "timeline": order}
 
 
-def layer_costs(order: list[dict], first: str = "_qkv") -> tuple[list[tuple[str, float]], int]:
-    """One step's kernels in launch order (``profile``'s timeline: each kernel's duration and the gap after the
-    kernel before it) -> the mean cost of each kernel of a decoder layer, and the number of layers averaged. A
-    kernel's cost is how far it moves the latest kernel end (with PDL kernels overlap, so durations overstate
-    it); a layer runs from one kernel whose name starts with ``first`` to the next (the last layer, followed
-    by the output layer, is left out)."""
-    cost, prev_end, latest = [], 0.0, 0.0
-    for i, k in enumerate(order):
-        start = prev_end + k["gap_us"] if i else 0.0
-        prev_end = start + k["us"]
-        cost.append(max(0.0, prev_end - latest))
-        latest = max(latest, prev_end)
-    starts = [i for i, k in enumerate(order) if k["name"].startswith(first)]
-    layers = [range(a, b) for a, b in zip(starts, starts[1:])]
-    if not layers:
-        return [], 0
-    width = min(len(r) for r in layers)
-    means = [(order[layers[0][j]]["name"], sum(cost[r[j]] for r in layers) / len(layers)) for j in range(width)]
-    return means, len(layers)
-
-
 def print_layer_costs(order: list[dict]) -> None:
-    means, n = layer_costs(order)
-    if n:
-        parts = ", ".join(f"{name[:24]} {us:.2f}" for name, us in means)
-        print(f"a layer's kernels, cost in us (mean of {n} layers): {parts}; layer {sum(u for _, u in means):.2f}")
+    line = format_layer_costs(order)
+    if line:
+        print(line)
 
 
 def main() -> None:

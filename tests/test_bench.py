@@ -180,21 +180,18 @@ def test_roofline_bytes_count_what_a_step_reads(dirs, tmp_path):
 
 
 def test_layer_costs_count_how_far_each_kernel_moves_the_latest_end():
-    """benchmarks/profile_step.py: overlapping kernels (PDL) cost only what they add past the latest end so far."""
-    import importlib.util
-    from pathlib import Path
+    """Overlapping kernels (PDL) cost only what they add past the latest end so far."""
+    from specserve.bench.timeline import format_layer_costs, layer_costs
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "profile_step.py"
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     layer = [dict(name="_qkv_rope_kernel", us=3.0, gap_us=0.5),  # starts 0.5 after the kernel before it
              dict(name="_attn_split_kernel", us=5.0, gap_us=-2.0),  # overlaps the qkv kernel by 2
              dict(name="_gemv_kernel", us=1.0, gap_us=-4.0)]  # inside the attention kernel: costs nothing
     order = [dict(name="embed", us=1.0, gap_us=0.0)] + layer * 3 + [dict(name="lm_head", us=9.0, gap_us=0.0)]
-    means, n = mod.layer_costs(order)
+    means, n = layer_costs(order)
     assert n == 2  # the last layer, followed by the output layer, is left out
     assert [name for name, _ in means] == ["_qkv_rope_kernel", "_attn_split_kernel", "_gemv_kernel"]
     # layer 1's qkv kernel runs 1.5-4.5 after the embedding's end at 1.0: 3.5; layer 2's runs 5.0-8.0, past the
     # attention kernel's end at 7.5 by 0.5; each attention kernel adds 3.0 and each gemv nothing
     assert [round(us, 6) for _, us in means] == [2.0, 3.0, 0.0]
+    assert format_layer_costs(order).endswith("layer 5.00")
+    assert format_layer_costs(order[:2]) is None  # no whole layer
