@@ -120,7 +120,7 @@ def main() -> None:
         if a.simulate:
             steps, per_pos = 0, [0] * d
             for p, o in zip(prompts, outs):
-                n, pp = simulated_acceptance(llm.engine.runner.head, p, o.token_ids, d)
+                n, pp = simulated_acceptance(llm.engine.head, p, o.token_ids, d)
                 steps += n
                 per_pos = [x + y for x, y in zip(per_pos, pp)]
             line += f" | simulated AL {1 + sum(per_pos) / steps:.3f} per position " + \

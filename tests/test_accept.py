@@ -182,7 +182,7 @@ def joint_first_tokens(root, spec: bool, n: int, biased: bool = False) -> tuple[
     llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=512, num_kv_blocks=1200,
               speculative_config=cfg)
     if biased:
-        llm.engine.runner.remove_rejected = False
+        llm.engine.runner.speculator.verifier.remove_rejected = False
     params = [SamplingParams(temperature=1.0, seed=10_000 * spec + i, max_tokens=3, ignore_eos=True)
               for i in range(n)]
     outs = llm.generate([[3, 5, 1, 6]] * n, params)

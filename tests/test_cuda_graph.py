@@ -74,14 +74,14 @@ def test_one_token_graph_steps_sample_every_row_without_a_gather(dirs, monkeypat
     sampled rows: a wrong row order would change them)."""
     ref, _ = _run(dirs, None, 3, padded=False)
     seen = []  # (rows, tokens per row, no gather) of every graph step
-    graph_views = ModelRunner.graph_views
+    graph_batch = ModelRunner.graph_batch
 
-    def views(self, rec):
-        out = graph_views(self, rec)
-        seen.append((rec.rows, rec.q, out[2].logits_indices is None))
+    def views(self, rec, *args):
+        out = graph_batch(self, rec, *args)
+        seen.append((rec.rows, rec.q, out.logits_indices is None))
         return out
 
-    monkeypatch.setattr(ModelRunner, "graph_views", views)
+    monkeypatch.setattr(ModelRunner, "graph_batch", views)
     assert _run(dirs, None, 3, padded=True, max_num_seqs=1)[0] == ref
     assert any(q > 1 for _, q, _ in seen)  # prefill graphs ran
     assert _run(dirs, None, 3, padded=True)[0] == ref
@@ -125,7 +125,7 @@ def test_a_record_rewritten_in_place_equals_one_staged_whole(dirs, spec, monkeyp
         scratch = Staging(torch.int64, torch.device("cpu"))
         ints, tables = row_fields(batch.scheduled, layout.rows, layout.q, runner.block_size, runner.table_lookahead)
         floats: dict = {}
-        assert runner._row_params(batch.scheduled, layout.rows, ints, floats) == switches
+        assert runner._record_params(batch.scheduled, layout.rows, ints, floats) == switches
         whole = stage_record(scratch, batch.scheduled, layout.rows, layout.q, layout.table_width, ints, tables, floats)
         assert (whole.fields, whole.float_fields, whole.size) == (rec.fields, rec.float_fields, rec.size)
         assert torch.equal(scratch.host[:whole.size], runner._ints.host[:rec.size])
@@ -185,17 +185,27 @@ def test_graphs_are_recaptured_after_a_staging_buffer_moves():
 
 @pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
 def test_padded_layout_with_the_upload_in_the_step_equals_packed(dirs, spec, monkeypatch):
-    """The default (the upload captured in the step): staging leaves the copy to the step (on the CPU there is
-    none to make) and the graph key carries the record size; SPECSERVE_GRAPH_UPLOAD=0 copies from the host."""
+    """A graph step's record upload is part of the step (captured with it, so a replay makes no copy call from the
+    host): the graph key carries the record's size, which the captured copy fixes, and the upload runs inside the
+    step function, once per step."""
     ref, _ = _run(dirs, SPECS[spec], 3, padded=False)
-    monkeypatch.delenv("SPECSERVE_GRAPH_UPLOAD", raising=False)
+    keys, uploads = [], []
+    run, graph_batch = CudaGraphs.run, ModelRunner.graph_batch
+
+    def keyed(self, key, step):
+        keys.append(key)
+        return run(self, key, step)
+
+    def batch(self, rec, *args):
+        uploads.append((self._ints.host is not None, rec.size))
+        return graph_batch(self, rec, *args)
+
+    monkeypatch.setattr(CudaGraphs, "run", keyed)
+    monkeypatch.setattr(ModelRunner, "graph_batch", batch)
     got, llm = _run(dirs, SPECS[spec], 3, padded=True)
-    assert llm.engine.runner.upload_in_graph
     assert got == ref
-    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "0")
-    got, llm = _run(dirs, SPECS[spec], 3, padded=True)
-    assert not llm.engine.runner.upload_in_graph
-    assert got == ref
+    assert keys and len(uploads) == len(keys)
+    assert [k[-1] for k in keys] == [size for _, size in uploads]
 
 
 @pytest.mark.gpu
@@ -221,19 +231,6 @@ def test_an_upload_captured_in_a_graph_reads_the_host_buffer_at_each_replay():
     assert run([0, 1, 0, 1]) == [1, 3, 1, 3]  # a replay: no copy call from the host
     assert run([5, 5, 5, 5]) == [11, 11, 11, 11]
     assert graphs.num_captured == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
-def test_cuda_graphs_with_the_upload_from_the_host_equal_eager(dirs, spec, monkeypatch):
-    """SPECSERVE_GRAPH_UPLOAD=0 (the default captures the upload; test_cuda_graphs_equal_eager covers it)."""
-    kw = dict(device="cuda", dtype="bfloat16")
-    ref, _ = _run(dirs, SPECS[spec], 3, padded=False, enforce_eager=True, **kw)
-    monkeypatch.setenv("SPECSERVE_GRAPH_UPLOAD", "0")
-    got, llm = _run(dirs, SPECS[spec], 3, padded=False, **kw)
-    assert not llm.engine.runner.upload_in_graph and llm.engine.runner.graphs.num_captured > 0
-    assert got == ref
 
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)

@@ -126,7 +126,8 @@ def with_oracle(llm: LLM, reference, wrong_from=None) -> LLM:
     for p, out in zip(PROMPTS, reference):
         ids = llm.tokenizer.encode(p)
         refs[tuple(ids)] = ids + out
-    llm.engine.runner.head = OracleHead(refs, llm.engine.model_config.vocab_size, wrong_from).bind(llm.engine.model)
+    head = OracleHead(refs, llm.engine.model_config.vocab_size, wrong_from).bind(llm.engine.model)
+    llm.engine.runner.speculator.drafter.head = head
     return llm
 
 
@@ -234,7 +235,7 @@ def test_draft_step0_over_last_tokens_equals_all_tokens(dirs, head):
 
     def run(mode):
         llm = llm_for(dirs, spec_cfg(dirs, head), max_num_batched_tokens=7)
-        h = llm.engine.runner.head
+        h = llm.engine.runner.speculator.drafter.head
         outs, drafts = [], []
         step0, propose = (h.step0 if mode == "last" else lambda x, kv: all_tokens(h, x, kv)), h.propose
         h.step0 = lambda x, kv: outs.append(step0(x, kv)) or outs[-1]

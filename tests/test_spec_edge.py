@@ -62,7 +62,8 @@ def all_blocks_free(llm: LLM) -> bool:
 
 def use_oracle(llm: LLM, prompt_ids, outputs, wrong_from=None) -> LLM:
     refs = {tuple(p): list(p) + list(o) for p, o in zip(prompt_ids, outputs)}
-    llm.engine.runner.head = OracleHead(refs, llm.engine.model_config.vocab_size, wrong_from).bind(llm.engine.model)
+    head = OracleHead(refs, llm.engine.model_config.vocab_size, wrong_from).bind(llm.engine.model)
+    llm.engine.runner.speculator.drafter.head = head
     return llm
 
 

@@ -43,7 +43,7 @@ def test_training_time_test_matches_the_inference_draft_loop(dirs, method):
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=d + 3, ignore_eos=True))[0].token_ids
     seq = prompt + ref
     n0 = len(prompt)
-    head = llm.engine.runner.head
+    head = llm.engine.head
     captured = []
 
     def forced(step, out, dest=None):  # a new tensor: the draft loop places it in its result column

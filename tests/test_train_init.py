@@ -35,7 +35,7 @@ def test_init_from_starts_at_an_exported_heads_weights(dirs, tmp_path):
     head = build_head(cfg, target, data)
     init_from_head(head, cfg, target, "cpu")
     shipped = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=dict(
-        method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=2)).engine.runner.head
+        method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=2)).engine.head
     assert torch.equal(head.fc.weight, shipped.fc.weight.float()) and head.fc.weight.requires_grad
     # the same mismatches, found from config.json before any regeneration
     from specserve.loaders import load_config
@@ -79,8 +79,8 @@ def test_a_head_restricted_to_a_draft_vocabulary_of_the_targets_rows_exports_loa
     spec = LLM(str(dirs / "target"), **kw, speculative_config=dict(method="eagle3", draft_model=str(head_dir),
                                                                    max_draft_len=3))
     src = LLM(str(dirs / "target"), **kw, speculative_config=dict(method="eagle3", draft_model=str(dirs / "eagle3"),
-                                                                  max_draft_len=3)).engine.runner.head
-    head = spec.engine.runner.head
+                                                                  max_draft_len=3)).engine.head
+    head = spec.engine.head
     assert head.lm_head is None and torch.equal(head.fc.weight, src.fc.weight)
     assert torch.equal(head.lm_weight(), spec.engine.model.lm_weight()[ids])
     x = torch.randn(3, cfg["hidden_size"])
@@ -104,7 +104,7 @@ def test_init_from_an_mtp_head_and_own_or_shared_output_layers(dirs, tmp_path):
     head = build_head(cfg, target, [{"prompt_ids": [1, 2], "response_ids": [3]}])
     init_from_head(head, cfg, target, "cpu")
     src = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=dict(
-        method="mtp", draft_model=str(tmp_path / "mtp"), max_draft_len=2)).engine.runner.head
+        method="mtp", draft_model=str(tmp_path / "mtp"), max_draft_len=2)).engine.head
     assert torch.equal(head.modules_[0].eh_proj.weight, src.modules_[0].eh_proj.weight.float())
     tcfg = load_config(str(dirs / "target"))
     make_head(tmp_path / "own", dirs / "target", "eagle3", draft_vocab=50, seed=3)

@@ -66,7 +66,7 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
 
     eng = llm.engine
     runner = eng.runner
-    d = runner.num_drafts
+    d = runner.speculator.draft_len
     g = torch.Generator().manual_seed(seed)
     vocab = eng.model_config.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
@@ -96,17 +96,19 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
         entries = [ScheduledRequest(r, r.num_computed_tokens, q, True, q - 1) for r in reqs]
         for r in reqs:  # drafts to verify (values do not matter for timing)
             r.spec_token_ids = (r.spec_token_ids + [0] * d)[:q - 1]
-        return plain.stage_graph(SchedulerOutput(entries), GraphLayout(layout.rows, q, layout.table_width))[0]
+        lay = GraphLayout(layout.rows, q, layout.table_width)
+        rec, switches = plain.stage_graph(SchedulerOutput(entries), lay)
+        return rec, switches, lay
 
     rec1 = layout_record(1)
-    decode = capture_graph(lambda: plain._decode(plain.graph_views(rec1)[2]))
+    decode = capture_graph(lambda: plain.step(plain.graph_batch(*rec1)))
     decode_ms = replay_ms(decode)
     recq = layout_record(d + 1)
 
     def verify():
-        inp = plain.graph_views(recq)[2]
+        inp = plain.graph_batch(*recq)
         hidden, aux = eng.model(inp.input_ids, inp.positions, inp.meta, plain.kv_views,
-                                aux_layers=runner.head.aux_layers)
+                                aux_layers=runner.aux_layers)
         return eng.model.compute_logits(hidden).argmax(-1)
 
     verify_ms = replay_ms(capture_graph(verify))
@@ -118,7 +120,7 @@ def step_times(llm, batch: int, context: int, bandwidth_gbps: float, seed: int =
     bw = bandwidth_gbps * 1e9
     decode_roof = target_bytes / bw * 1e3
     draft_loop_ms = spec_ms - verify_ms
-    draft_bytes = runner.head.draft_read_bytes(d, batch)
+    draft_bytes = eng.head.draft_read_bytes(d, batch)
     draft_roof = draft_bytes / bw * 1e3
     return dict(batch=batch, context=context, draft_len=d, decode_ms=decode_ms, verify_ms=verify_ms,
                 spec_step_ms=spec_ms, draft_loop_ms=draft_loop_ms, target_bytes=target_bytes,

@@ -10,8 +10,8 @@ reads a device value.
 from __future__ import annotations
 
 import operator
-import os
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,56 +24,16 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
-from specserve.runner.sampler import SamplingTensors, sample
+from specserve.runner.sampler import (SAMPLING_FLOATS, SAMPLING_INTS, sample, sampling_columns, sampling_switches,
+                                      sampling_tensors)
 from specserve.runner.staging import Staging
+from specserve.runner.step_batch import ArrayPack, RowResult, StepBatch, StepSwitches
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
+if TYPE_CHECKING:
+    from specserve.speculative.speculator import Speculator
 
-def sampling_row(req, vocab_size: int) -> tuple[tuple[int, int, int], tuple[float, float, float]]:
-    """One request's sampling parameters as host values: (top_k, seed, output index), (temperature, top_p, min_p)."""
-    sp = req.params
-    return ((sp.top_k if sp.top_k > 0 else vocab_size, req.seed, req.num_output_tokens),
-            (sp.temperature, sp.top_p, sp.min_p))
-
-
-def sampling_switches(reqs) -> tuple[bool, bool]:
-    """The host-known switches of a batch's sampling code: (every row greedy, some row filters top-k/p/min-p)."""
-    return all(r.params.greedy for r in reqs), any(r.params.needs_filter for r in reqs)
-
-
-def sampling_fields(sched, rows: int, vocab_size: int, ints: dict, floats: dict) -> None:
-    """Every row's sampling parameters as record fields (``graph_inputs``); padding rows are greedy."""
-    cols: list[list] = [[], [], [], [], [], []]
-    for s in sched:
-        (k, seed, off), (temp, top_p, min_p) = sampling_row(s.request, vocab_size)
-        for c, v in zip(cols, (k, seed, off, temp, top_p, min_p)):
-            c.append(v)
-    pad = rows - len(sched)
-    for name, c, v in zip(("top_k", "seeds", "offsets"), cols[:3], (vocab_size, 0, 0)):
-        ints[name] = c + [v] * pad
-    for name, c, v in zip(("temperature", "top_p", "min_p"), cols[3:], (0.0, 1.0, 0.0)):
-        floats[name] = c + [v] * pad
-
-
-def sampling_tensors(reqs, ints: list[torch.Tensor], floats: torch.Tensor, n: int | None = None) -> SamplingTensors:
-    """ints = [top_k, seeds, offsets] device views [S]; floats = [temperature; top_p; min_p] device [3S].
-    ``n`` (S) may exceed len(reqs): the rows past them are greedy dummies (CUDA-graph padding)."""
-    n = len(reqs) if n is None else n
-    all_greedy, needs_filter = sampling_switches(reqs)
-    return SamplingTensors(
-        temperature=floats[:n], top_p=floats[n:2 * n], min_p=floats[2 * n:3 * n], top_k=ints[0], seeds=ints[1],
-        offsets=ints[2], all_greedy=all_greedy, needs_filter=needs_filter,
-    )
-
-
-@dataclass
-class RowResult:
-    """What one scheduled request got from a step."""
-
-    tokens: list[int]  # emitted tokens, in order (empty when the row does not sample)
-    drafts: list[int] = field(default_factory=list)  # drafts to verify next step
-    num_drafts: int = 0  # drafts verified this step
-    num_accepted: int = 0  # of those, accepted
+__all__ = ["GraphLayout", "Launched", "ModelRunner", "RowResult"]
 
 
 @dataclass
@@ -103,45 +63,27 @@ class _LastRecord:
     requests: list  # its rows' requests, in order (compared by identity)
     version: int  # the int staging buffer's version after it was written
     record: Record
-    switches: tuple
+    switches: StepSwitches
     ints: dict[str, list]  # its integer fields
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
 
 
 @dataclass
 class Staged:
-    """A step's integer inputs once uploaded: where each array sits in the staging buffer. Device views are
-    made from this (``ModelRunner.views``) only when a step runs eagerly or a CUDA graph is captured; a
-    replay reads the buffers in place, so it skips the per-step cost of building tensors on the host."""
+    """A packed step's inputs once uploaded: its named arrays' layout in the staging buffers. Device views are
+    made from this (``ModelRunner.views``)."""
 
-    offsets: list[int]  # [12] element offsets of the 11 arrays (ids ... offsets) in the int staging buffer
-    rows: int  # B
-    q: int  # tokens per row (the widest row when packed)
-    table_width: int  # block-table entries per row
-    samplers: list  # the requests that sample this step (their sampling parameters are staged too)
-    num_sampling: int  # S: sampling rows, dummies included
-
-
-@dataclass
-class StepInputs:
-    """One step's device inputs (views into the staging buffers)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    # [S] int64: flat index of each sampling request's last token; None when every row samples and row i's last
-    # token is token i (a graph layout of one token per row): ``hidden`` is read in place, one gather fewer
-    logits_indices: torch.Tensor | None
-    sampling: SamplingTensors | None  # None when no request samples this step
+    ints: ArrayPack  # in the int64 staging buffer (``ModelRunner.stage`` lists the arrays)
+    floats: ArrayPack  # in the float32 one: sampling (and acceptance) parameters
+    q: int  # tokens per row (the widest row)
+    samplers: list  # the requests whose sampling parameters are staged, in row order
+    switches: StepSwitches
+    host_rows: list  # the scheduled rows (speculation's test heads read them)
 
 
 class ModelRunner:
-    # block-table entries beyond a row's tokens that the step may write (the draft loop's positions)
-    table_lookahead = 0
-    graph_q_extra = 0  # tokens per row in a graph step beyond the one known token (drafts)
-
-    def _staging_buffers(self) -> list:
-        return [self._ints, self._floats]
+    """Runs one step: a scheduled batch -> a ``StepBatch`` (packed, or a graph's record expanded on the device) ->
+    the target's forward pass -> sampling, or with a ``speculator`` verification, acceptance and drafting."""
 
     # a one-row step of at most this many prompt tokens (batch-1 serving's prefill) runs as a graph too
     prefill_graph_tokens = 512
@@ -157,7 +99,7 @@ class ModelRunner:
         if self.graphs is None:
             return None
         if all(self._generation_row(s) for s in batch.scheduled):
-            return self._layout(batch, 1 + self.graph_q_extra)
+            return self._layout(batch, self.generation_q)
         return self._prefill_layout(batch)
 
     @staticmethod
@@ -210,7 +152,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
                  attention_backend: str = "auto", max_num_batched_tokens: int = 0,
-                 capture_graphs: bool = True) -> None:
+                 capture_graphs: bool = True, speculator: Speculator | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_views = kv_cache.layer_views()[:model.config.num_hidden_layers]
@@ -219,34 +161,40 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
         self.attention_backend = attention_backend
+        self.speculator = speculator
+        spec = speculator
+        # block-table entries past a row's tokens that a step may write (the draft loop's positions)
+        self.table_lookahead = spec.lookahead_slots if spec is not None else 0
+        self.generation_q = 1 + (spec.draft_len if spec is not None else 0)  # tokens per row of a generation step
+        self.aux_layers = spec.aux_layers if spec is not None else ()  # target layers the head reads
         max_len = max_model_len or model.config.max_position_embeddings
         # padding tokens sit at positions up to a layout's q - 1: they must stay inside the RoPE table
         self.max_graph_q = min(max_len, model.config.max_position_embeddings)
         self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
-        q = 1 + self.graph_q_extra
+        q = self.generation_q
         self._ints = Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 4),
                                                        6 * max_num_batched_tokens) * 2)
         self._floats = Staging(torch.float32, device, 8 * rows)
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
-        # a graph step's upload captured in its graph as a copy node, so a replay needs no copy call from the
-        # host (24-33 µs per step on the H200 machine's host; tokens/s +5% at batch 1 there, BENCHMARKS.md ninth
-        # session); SPECSERVE_GRAPH_UPLOAD=0 makes the copy from the host instead
-        self.upload_in_graph = os.environ.get("SPECSERVE_GRAPH_UPLOAD", "1") != "0"
         self._last_record: _LastRecord | None = None
 
-    def prepare(self, batch: SchedulerOutput, with_sampling: bool = True) -> StepInputs:
-        """Device inputs of a packed step (``stage`` then ``views``)."""
-        return self.views(self.stage(batch, with_sampling))
+    def _staging_buffers(self) -> list[Staging]:
+        return [self._ints, self._floats]
 
-    def stage(self, batch: SchedulerOutput, with_sampling: bool = True) -> Staged:
+    # -- packed (eager) steps: the inputs built on the host ------------------------------------------------------
+    def prepare(self, batch: SchedulerOutput) -> StepBatch:
+        """Device inputs of a packed step (``stage`` then ``views``)."""
+        return self.views(self.stage(batch))
+
+    def stage(self, batch: SchedulerOutput) -> Staged:
         """Build a packed step's inputs on the host and upload them (a graph step stages a compact record
-        instead, ``stage_graph``); ``with_sampling=False`` leaves out the per-row sampling parameters (the
-        speculative runner builds its own, for every row). Row i's tokens follow row i-1's, and the block
-        tables are as wide as the longest row needs."""
+        instead, ``stage_graph``). Row i's tokens follow row i-1's, and the block tables are as wide as the
+        longest row needs. Sampling parameters are staged for every sampling row; speculating, for every row
+        (acceptance reads them by row)."""
         sched = batch.scheduled
         bs = self.block_size
         b = len(sched)
@@ -254,21 +202,26 @@ class ModelRunner:
         t = batch.total_tokens
         la = self.table_lookahead
         m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
-        samplers = [s for s in sched if s.sample] if with_sampling else []
+        spec = self.speculator
+        samplers = [s.request for s in sched if s.sample or spec is not None]
         ns = len(samplers)
-        sizes = [t, t, t, t, b * m, b * q, b * q, ns, ns, ns, ns]
-        buf = self._ints.reserve(sum(sizes))
-        offs = np.cumsum([0] + sizes)
-        ids, pos, slots, flat, tables, qidx, qpos, lidx, topk, seeds, offsets = (
-            buf[offs[i]:offs[i + 1]] for i in range(len(sizes)))
-        tables[:] = PAD_BLOCK
-        qidx[:] = t  # padding queries read the zero row appended after the T real ones
-        qpos[:] = 0
-        tables2, qidx2, qpos2 = tables.reshape(b, m), qidx.reshape(b, q), qpos.reshape(b, q)
+        shapes = dict(input_ids=(t,), positions=(t,), slots=(t,), flat=(t,), tables=(b, m), query_index=(b, q),
+                      query_pos=(b, q), logits_indices=(0 if spec is not None else ns,),
+                      **{k: (ns,) for k in SAMPLING_INTS})
+        fshapes = {k: (ns,) for k in SAMPLING_FLOATS}
+        if spec is not None:
+            more, fmore = spec.packed_shapes(b, q)
+            shapes.update(more)
+            fshapes.update(fmore)
+        ipack, fpack = ArrayPack(shapes), ArrayPack(fshapes)
+        a = ipack.views(self._ints.reserve(ipack.size))
+        a["tables"][:] = PAD_BLOCK
+        a["query_index"][:] = t  # padding queries read the zero row appended after the T real ones
+        a["query_pos"][:] = 0
         # per row: its token ids and block-table row (Python lists); everything else is vectorised below
         starts = np.fromiter((s.start for s in sched), np.int64, b)
         counts = np.fromiter((s.num_tokens for s in sched), np.int64, b)
-        first = np.cumsum(counts) - counts  # packed offset of each row's first token
+        first = np.cumsum(counts) - counts  # [B] packed offset of each row's first token
         tokens: list[int] = []
         for i, s in enumerate(sched):
             req = s.request
@@ -276,112 +229,121 @@ class ModelRunner:
             tokens += req.token_ids[s.start:s.start + known]
             tokens += req.spec_token_ids[:s.num_drafts]
             nb = min(len(req.block_ids), cdiv(s.start + s.num_tokens + la, bs))
-            tables2[i, :nb] = req.block_ids[:nb]
+            a["tables"][i, :nb] = req.block_ids[:nb]
         row = np.repeat(np.arange(b, dtype=np.int64), counts)  # [T] row of each token
         col = np.arange(t, dtype=np.int64) - first[row]  # [T] its index within the row
-        at = np.arange(t, dtype=np.int64)  # [T] its flat index
         p = starts[row] + col  # [T] its position
-        ids[:] = tokens
-        pos[:] = p
-        slots[:] = tables2[row, p // bs] * bs + p % bs
-        flat[:] = row * q + col
-        qidx2[row, col] = at
-        qpos2[row, col] = p
-        self.step_tokens = (row, col, ids.copy())  # [T] each: row, column, token id (speculative inputs)
-        last_tok = first + counts - 1  # [B] flat index of each row's last token
-        self.row_t0 = first  # [B] flat index of each row's first token (speculative inputs)
-        fbuf = self._floats.reserve(3 * ns) if ns else None
-        for j, s in enumerate(samplers):
-            (topk[j], seeds[j], offsets[j]), (fbuf[j], fbuf[ns + j], fbuf[2 * ns + j]) = \
-                sampling_row(s.request, self.vocab_size)
-        if ns:  # each sampling row's last token
-            lidx[:] = last_tok[np.fromiter((s.sample for s in sched), bool, b)]
-        self._ints.upload(int(offs[-1]))
-        if ns:
-            self._floats.upload(3 * ns)
-        return Staged(offs.tolist(), b, q, m, [s.request for s in samplers], ns)
+        a["input_ids"][:] = tokens
+        a["positions"][:] = p
+        a["slots"][:] = a["tables"][row, p // bs] * bs + p % bs
+        a["flat"][:] = row * q + col
+        a["query_index"][row, col] = np.arange(t, dtype=np.int64)
+        a["query_pos"][row, col] = p
+        f = fpack.views(self._floats.reserve(fpack.size))
+        si, sf = sampling_columns(samplers, ns, self.vocab_size)
+        for k, v in (*si.items(), *sf.items()):
+            (a if k in si else f)[k][:] = v
+        if spec is None and ns:  # each sampling row's last token
+            a["logits_indices"][:] = (first + counts - 1)[np.fromiter((s.sample for s in sched), bool, b)]
+        switches = StepSwitches(*sampling_switches(samplers))
+        if spec is not None:
+            switches = spec.stage_packed(sched, a, f, row, col, first, switches)
+        self._ints.upload(ipack.size)
+        if fpack.size:
+            self._floats.upload(fpack.size)
+        return Staged(ipack, fpack, q, samplers, switches, sched)
 
-    def stage_graph(self, batch: SchedulerOutput, layout: GraphLayout) -> tuple[Record, tuple]:
+    def views(self, st: Staged) -> StepBatch:
+        """Device views of a staged packed step's inputs."""
+        a = st.ints.views(self._ints.view(st.ints.size))
+        f = st.floats.views(self._floats.view(st.floats.size))
+        meta = AttentionMetadata(
+            slot_mapping=a["slots"], block_tables=a["tables"], query_index=a["query_index"],
+            query_pos=a["query_pos"], flat_index=a["flat"], sliding_window=self.sliding_window,
+            backend=self.attention_backend,
+        )
+        sampling = sampling_tensors(st.samplers, {**a, **f}) if st.samplers else None
+        batch = StepBatch(input_ids=a["input_ids"], positions=a["positions"], meta=meta,
+                          logits_indices=a["logits_indices"], sampling=sampling)
+        if self.speculator is not None:
+            batch.spec = self.speculator.packed_inputs(a, f, sampling, a["flat"], st.q, st.switches, st.host_rows)
+        return batch
+
+    # -- graph steps: a compact record, expanded on the device ---------------------------------------------------
+    def stage_graph(self, batch: SchedulerOutput, layout: GraphLayout) -> tuple[Record, StepSwitches]:
         """Stage a graph step's compact record (``specserve.runner.graph_inputs``) -> (record, the host
-        switches that pick the graph's variant)."""
+        switches that pick the graph's variant). The record's upload is captured in the graph as a copy node, so
+        a replay needs no copy call from the host (tens of µs a step on a slow host)."""
         sched = batch.scheduled
         b, q, m = layout.rows, layout.q, layout.table_width
         ints, tables = row_fields(sched, b, q, self.block_size, self.table_lookahead)
         reqs = [s.request for s in sched]
-        upload = not self.upload_in_graph
         last = self._last_record
         # the same requests in the same layout as the step before, nothing else staged since: their parameters are
         # in the buffer already, and only the fields that change per step are rewritten
         if (last is not None and last.layout == layout and last.version == self._ints.version
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
-            ints.update(self._step_params(sched, b, last.ints))
-            last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged, upload)
+            ints.update(self._restaged_params(sched, b, last.ints))
+            last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged, upload=False)
             return last.record, last.switches
         floats: dict[str, list[float]] = {}
-        switches = self._row_params(sched, b, ints, floats)
-        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats, upload=upload)
+        switches = self._record_params(sched, b, ints, floats)
+        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats, upload=False)
         self._last_record = _LastRecord(layout, reqs, self._ints.version, rec, switches, ints)
         return rec, switches
 
-    def _step_params(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+    def _record_params(self, sched, rows: int, ints: dict, floats: dict) -> StepSwitches:
+        """Per-row parameters of a graph step, added to ``ints`` / ``floats`` -> the host switches."""
+        reqs = [s.request for s in sched]
+        si, sf = sampling_columns(reqs, rows, self.vocab_size)
+        ints.update(si)
+        floats.update(sf)
+        switches = StepSwitches(*sampling_switches(reqs))
+        if self.speculator is not None:
+            switches = self.speculator.record_params(sched, rows, ints, floats, switches)
+        return switches
+
+    def _restaged_params(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
         """The per-row parameters of a graph step's record that change between steps of the same requests
         (``first``: the integer fields as the first of those steps staged them): each row's output index, which
-        seeds its sampling."""
-        return {"offsets": [s.request.num_output_tokens for s in sched] + [0] * (rows - len(sched))}
+        seeds its sampling, and speculating, whether it is in its thinking phase."""
+        out = {"offsets": [s.request.num_output_tokens for s in sched] + [0] * (rows - len(sched))}
+        if self.speculator is not None:
+            out["flags"] = self.speculator.restaged_flags(sched, rows, first["flags"])
+        return out
 
-    def graph_key(self, layout: GraphLayout, switches: tuple, rec: Record) -> tuple:
-        """The graph a step replays: its layout and host switches (and, with the upload captured, the record's
-        size, which the captured copy fixes)."""
-        return (layout, *switches, rec.size) if self.upload_in_graph else (layout, *switches)
+    @staticmethod
+    def graph_key(layout: GraphLayout, switches: StepSwitches, rec: Record) -> tuple:
+        """The graph a step replays: its layout, host switches and the record's size (the captured copy fixes
+        it)."""
+        return layout, switches, rec.size
 
-    def _row_params(self, sched, rows: int, ints: dict, floats: dict) -> tuple:
-        """Per-row parameters of a graph step, added to ``ints`` / ``floats`` -> the host switches."""
-        sampling_fields(sched, rows, self.vocab_size, ints, floats)
-        return sampling_switches([s.request for s in sched])
-
-    def graph_views(self, rec: Record) -> tuple[dict, dict, StepInputs]:
-        """Inside a graph step: the record's device views, what the device derives from them
-        (``expand_record``), and the step's inputs."""
-        if self.upload_in_graph:  # the record's copy, captured with the step
-            self._ints.upload(rec.size)
+    def graph_batch(self, rec: Record, switches: StepSwitches, layout: GraphLayout,
+                    host_rows: list | None = None) -> StepBatch:
+        """Inside a graph step: the record's upload, its device views, what the device derives from them
+        (``expand_record``) -> the step's inputs (``host_rows``: the scheduled rows, for test heads)."""
+        self._ints.upload(rec.size)  # captured with the step
         f = record_views(self._ints, rec)
         b, q = rec.rows, rec.q
+        spec = self.speculator
         tables = f["tables"].view(b, rec.table_width)
+        more = {} if spec is None else dict(num_drafts=spec.draft_len, flags=f["flags"].view(4, b))
         x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,
-                          **self._expand_args(f, rec))
+                          **more)
         meta = AttentionMetadata(
             slot_mapping=x["slots"].view(-1), block_tables=tables, query_index=x["flat"], query_pos=x["positions"],
             flat_index=x["flat"].view(-1), sliding_window=self.sliding_window, backend=self.attention_backend,
         )
-        sampling = None
-        if "top_k" in f:
-            all_greedy, needs_filter = sampling_switches(rec.requests)
-            sampling = SamplingTensors(temperature=f["temperature"], top_p=f["top_p"], min_p=f["min_p"],
-                                       top_k=f["top_k"], seeds=f["seeds"], offsets=f["offsets"],
-                                       all_greedy=all_greedy, needs_filter=needs_filter)
+        sampling = sampling_tensors(rec.requests, f)
         # every row of a graph step samples (padding rows as greedy dummies); with one token per row, row i's last
         # token is token i
-        last = None if q == 1 else x["last"]
-        return f, x, StepInputs(input_ids=f["tokens"], positions=x["positions"].view(-1), meta=meta,
-                                logits_indices=last, sampling=sampling)
+        batch = StepBatch(input_ids=f["tokens"], positions=x["positions"].view(-1), meta=meta,
+                          logits_indices=None if q == 1 else x["last"], sampling=sampling)
+        if spec is not None:
+            batch.spec = spec.graph_inputs(f, x, sampling, switches, not layout.prefill, host_rows or [])
+        return batch
 
-    def _expand_args(self, f: dict, rec: Record) -> dict:
-        """What ``expand_record`` derives beyond the layout (the speculative runner's drafting inputs)."""
-        return {}
-
-    def views(self, st: Staged) -> StepInputs:
-        """Device views of a staged step's inputs."""
-        o, b, q, ns = st.offsets, st.rows, st.q, st.num_sampling
-        dev = self._ints.view(o[-1])
-        d = [dev[o[i]:o[i + 1]] for i in range(len(o) - 1)]
-        meta = AttentionMetadata(
-            slot_mapping=d[2], block_tables=d[4].view(b, st.table_width), query_index=d[5].view(b, q),
-            query_pos=d[6].view(b, q), flat_index=d[3], sliding_window=self.sliding_window,
-            backend=self.attention_backend,
-        )
-        sampling = sampling_tensors(st.samplers, d[8:11], self._floats.view(3 * ns), ns) if ns else None
-        return StepInputs(input_ids=d[0], positions=d[1], meta=meta, logits_indices=d[7], sampling=sampling)
-
+    # -- one step ------------------------------------------------------------------------------------------------
     def execute(self, batch: SchedulerOutput) -> list[RowResult]:
         """Run one step and wait for it; returns one result per scheduled request, in schedule order."""
         return self.collect(self.launch(batch))
@@ -406,22 +368,37 @@ class ModelRunner:
         """Wait for a launched step (the one device -> host copy) -> one result per scheduled request."""
         if step.results is not None:
             return step.results
-        return self._results(step.batch.scheduled, self._copy_back(step.out) if step.out is not None else [])
+        values = self._copy_back(step.out) if step.out is not None else []
+        if self.speculator is not None:
+            return self.speculator.results(step.batch.scheduled, values)
+        tokens = iter(values)
+        return [RowResult([next(tokens)] if s.sample else []) for s in step.batch.scheduled]
 
     @torch.inference_mode()
     def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None) -> torch.Tensor | None:
-        """One step in one layout, a graph's or packed (``layout`` None), queued -> its device output: the
-        sampled tokens [S] (None when no row samples)."""
+        """One step in one layout, a graph's or packed (``layout`` None), queued -> its device output
+        (``step``)."""
         if layout is None:
-            return self._decode(self.views(self.stage(batch)))
-        # a replay reads the staged record in place: views are made only to capture
+            return self.step(self.prepare(batch))
+        # a replay reads the staged record in place: the step's inputs are built only to capture
         rec, switches = self.stage_graph(batch, layout)
-        return self.graphs.run(self.graph_key(layout, switches, rec), lambda: self._decode(self.graph_views(rec)[2]))
+        return self.graphs.run(self.graph_key(layout, switches, rec),
+                               lambda: self.step(self.graph_batch(rec, switches, layout, batch.scheduled)))
 
-    def _results(self, sched: list[ScheduledRequest], values: list) -> list[RowResult]:
-        """A step's copied-back output (``_launch``) -> one result per scheduled request."""
-        tokens = iter(values)
-        return [RowResult([next(tokens)] if s.sample else []) for s in sched]
+    def step(self, batch: StepBatch) -> torch.Tensor | None:
+        """inputs -> target forward -> sample, or verify -> accept -> draft; all on the device -> the sampled
+        tokens [S] (None when no row samples), or the speculator's result rows."""
+        batch.meta.new_step()
+        hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_views,
+                                 aux_layers=self.aux_layers)
+        if batch.spec is not None:
+            return self.speculator.step(self.model, batch, hidden, aux)
+        if batch.sampling is None:
+            return None
+        # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
+        logits_fn = self.model.lm_logits if batch.sampling.all_greedy else self.model.compute_logits
+        rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]  # [S, H]
+        return sample(logits_fn(rows), batch.sampling)  # logits [S, V]
 
     def _copy_back(self, out: torch.Tensor) -> list:
         """The step's one device -> host copy; it waits for the stream, so every upload has run too."""
@@ -429,14 +406,3 @@ class ModelRunner:
         for st in self._staging_buffers():
             st.synced()
         return values
-
-    def _decode(self, inp: StepInputs) -> torch.Tensor | None:
-        """Target forward + sampling, all on the device -> tokens [S] (None when no row samples)."""
-        inp.meta.new_step()
-        hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_views)
-        if inp.sampling is None:
-            return None
-        # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
-        logits_fn = self.model.lm_logits if inp.sampling.all_greedy else self.model.compute_logits
-        rows = hidden if inp.logits_indices is None else hidden[inp.logits_indices]  # [S, H]
-        return sample(logits_fn(rows), inp.sampling)  # logits [S, V]

@@ -53,6 +53,47 @@ class SamplingTensors:
     needs_filter: bool  # host-known: some row uses top-k/top-p/min-p
 
 
+# One request's sampling parameters as staged for a step, by name (``sampling_columns``); padding rows get the
+# defaults, which sample greedily and filter nothing.
+SAMPLING_INTS = {"top_k": None, "seeds": 0, "offsets": 0}  # None: the vocabulary size (top-k off)
+SAMPLING_FLOATS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0}
+
+
+def sampling_switches(reqs) -> tuple[bool, bool]:
+    """The host-known switches of a batch's sampling code: (every row greedy, some row filters top-k/p/min-p)."""
+    return all(r.params.greedy for r in reqs), any(r.params.needs_filter for r in reqs)
+
+
+def sampling_columns(reqs, rows: int, vocab_size: int) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """The one route from requests to staged sampling parameters: per name (``SAMPLING_INTS``,
+    ``SAMPLING_FLOATS``) a list of ``rows`` values, requests first, then greedy padding rows."""
+    ints: dict[str, list[int]] = {k: [] for k in SAMPLING_INTS}
+    floats: dict[str, list[float]] = {k: [] for k in SAMPLING_FLOATS}
+    for r in reqs:
+        sp = r.params
+        ints["top_k"].append(sp.top_k if sp.top_k > 0 else vocab_size)
+        ints["seeds"].append(r.seed)
+        ints["offsets"].append(r.num_output_tokens)  # index of the output token drawn: seeds its noise
+        floats["temperature"].append(sp.temperature)
+        floats["top_p"].append(sp.top_p)
+        floats["min_p"].append(sp.min_p)
+    pad = rows - len(reqs)
+    for k, v in SAMPLING_INTS.items():
+        ints[k] += [vocab_size if v is None else v] * pad
+    for k, v in SAMPLING_FLOATS.items():
+        floats[k] += [v] * pad
+    return ints, floats
+
+
+def sampling_tensors(reqs, views: dict[str, torch.Tensor]) -> SamplingTensors:
+    """Device views of staged ``sampling_columns`` (by name, [S] each) -> the sampler's inputs. ``reqs`` are the
+    real rows (their switches); rows past them are greedy padding."""
+    all_greedy, needs_filter = sampling_switches(reqs)
+    return SamplingTensors(
+        temperature=views["temperature"], top_p=views["top_p"], min_p=views["min_p"], top_k=views["top_k"],
+        seeds=views["seeds"], offsets=views["offsets"], all_greedy=all_greedy, needs_filter=needs_filter)
+
+
 def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits [S, V] float32 -> temperature-scaled logits with filtered tokens at -inf [S, V].
 

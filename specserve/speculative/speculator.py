@@ -1,0 +1,232 @@
+"""The speculative parts of a step, composed into the model runner: a verifier (acceptance) and a drafter (the
+head's ``propose``), plus what each needs staged per row.
+
+One step, for context (prefill chunk) and generation rows together, after the target's forward pass:
+
+1. verify: logits at each row's verified positions; a generation row's tokens are ``[t, d1..dD]``.
+2. accept (device): the target's token at each verified position (argmax, or a sample for rows that
+   cannot accept yet), longest accepted prefix, bonus token.
+3. rewind: nothing to do here; the scheduler advances a row's computed length by the accepted count only,
+   so the KV of rejected drafts is overwritten next step.
+4. draft (device): the head runs over every token of the step with the input ids shifted left by one
+   (the bonus token, a sampled first token, or the next prompt token of a non-final chunk at each row's
+   last accepted position), then continues its own loop.
+5. one device -> host copy: accepted counts, emitted tokens, next drafts (``StepResult`` rows).
+
+Nothing here knows which head it runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.kernels.draft_inputs import draft_inputs
+from specserve.models.llama import LlamaForCausalLM
+from specserve.runner.sampler import SamplingTensors
+from specserve.runner.step_batch import RowResult, SpecInputs, StepBatch, StepSwitches
+from specserve.speculative.accept import AcceptInputs, accept
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.heads import DraftHead, DraftInputs, place
+
+# per-row acceptance settings as staged (``acceptance_columns``), with their padding rows' values (greedy, nothing
+# relaxed, outside the thinking phase)
+ACCEPT_INTS = {"greedy": 1, "relaxed": 0, "relaxed_topk": 1, "thinking": 0}
+
+
+def acceptance_columns(reqs, rows: int, spec: SpeculativeConfig) -> tuple[dict[str, list[int]], list[float]]:
+    """The one route from requests to staged acceptance settings: per name (``ACCEPT_INTS``) ``rows`` values,
+    and each row's relaxed delta; a request's own relaxed settings override the configuration's."""
+    cols: dict[str, list[int]] = {k: [] for k in ACCEPT_INTS}
+    delta: list[float] = []
+    for r in reqs:
+        sp = r.params
+        relaxed = spec.use_relaxed_acceptance_for_thinking if sp.relaxed_acceptance is None else sp.relaxed_acceptance
+        cols["greedy"].append(int(sp.greedy))
+        cols["relaxed"].append(int(relaxed))
+        cols["relaxed_topk"].append(sp.relaxed_topk if sp.relaxed_topk is not None else spec.relaxed_topk)
+        cols["thinking"].append(int(r.thinking))
+        delta.append(sp.relaxed_delta if sp.relaxed_delta is not None else spec.relaxed_delta)
+    pad = rows - len(reqs)
+    for k, v in ACCEPT_INTS.items():
+        cols[k] += [v] * pad
+    return cols, delta + [0.0] * pad
+
+
+class Verifier:
+    """Acceptance of a step's drafts against the target (``speculative.accept``)."""
+
+    def __init__(self, spec: SpeculativeConfig, thinking_tokens: tuple[int, int]) -> None:
+        self.forced = spec.forced_acceptance
+        self.begin_token, self.end_token = thinking_tokens
+        # tests only: False makes sampled acceptance keep a rejected draft in the bonus distribution (biased)
+        self.remove_rejected = True
+
+    def inputs(self, sampling: SamplingTensors, greedy, can_accept, relaxed, relaxed_topk, relaxed_delta,
+               thinking, switches: StepSwitches) -> AcceptInputs:
+        """Per-row settings [B] each (integer or boolean) -> the acceptance inputs, flags as booleans."""
+        return AcceptInputs(
+            sampling=sampling, greedy=greedy.bool(), can_accept=can_accept.bool(), relaxed=relaxed.bool(),
+            relaxed_topk=relaxed_topk, relaxed_delta=relaxed_delta, thinking=thinking.bool(),
+            begin_token=self.begin_token, end_token=self.end_token, max_topk=switches.max_topk,
+            simple_greedy=switches.simple_greedy, remove_rejected=self.remove_rejected)
+
+    def __call__(self, model: LlamaForCausalLM, hidden: torch.Tensor, spec: SpecInputs, out: torch.Tensor):
+        """Logits at the verified positions, then acceptance -> (accepted [B], emitted [B, D+1]) written into
+        ``out`` [D+2, B] where a kernel can."""
+        b, d1 = spec.verify_idx.shape
+        acc = spec.accept
+        # greedy rows need the argmax only: logits in the weights' dtype (no float32 copy)
+        logits_fn = model.lm_logits if acc.simple_greedy else model.compute_logits
+        # a generation step's layout (1 + D tokens per row) verifies at every token: verify_idx is the identity
+        # wherever acceptance reads (columns past a row's drafts repeat its last token there, and are never read)
+        verified = hidden if spec.verify_all else hidden[spec.verify_idx]  # [B * (D+1), H]
+        logits = logits_fn(verified).view(b, d1, -1)  # [B, D+1, V]
+        return accept(logits, spec.drafts.view(b, d1 - 1), spec.num_drafts, acc, self.forced, out=out)
+
+
+class Drafter:
+    """The head's draft loop after acceptance (``DraftHead.propose``), over the KV layers it owns."""
+
+    def __init__(self, head: DraftHead, head_kv: list, block_size: int, draft_len: int, max_pos: int) -> None:
+        self.head, self.head_kv = head, head_kv
+        self.block_size, self.draft_len, self.max_pos = block_size, draft_len, max_pos
+
+    def __call__(self, batch: StepBatch, hidden, aux, accepted, emitted, out: torch.Tensor) -> torch.Tensor:
+        """-> drafts [B, D] (target ids), in ``out`` where the head's kernels can write them."""
+        spec, meta = batch.spec, batch.meta
+        b, w = spec.ext.shape
+        ok = spec.accept.can_accept
+        # the draft table with the bonus token, the last accepted token, the chain's slots (one kernel)
+        s = draft_inputs(accepted, emitted, spec.base_col, spec.t0, spec.start, spec.ext, ok, meta.block_tables,
+                         spec.row_of_token, spec.col_of_token, self.block_size, self.draft_len, self.max_pos)
+        x = DraftInputs(
+            ids_ext=s["ext"], row_of_token=spec.row_of_token, col_of_token=spec.col_of_token,
+            positions=batch.positions, meta=meta, hidden=hidden, aux=aux, last_idx=s["last_idx"],
+            last_col=s["last_col"], last_pos=s["last_pos"], block_tables=meta.block_tables, draft_ok=ok,
+            block_size=self.block_size, num_drafts=self.draft_len, host_rows=spec.host_rows,
+            step0_ids=s["ids0"], chain=(s["chain_pos"], s["chain_slot"]))
+        return self.head.propose(x, self.head_kv, out=out)
+
+
+class Speculator:
+    """Verify, accept and draft for every row of a step; held by ``ModelRunner`` (``speculator``)."""
+
+    def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, spec: SpeculativeConfig,
+                 block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+        d = spec.max_draft_len
+        self.spec = spec
+        self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
+        self.lookahead_slots = max(0, d - 1)  # positions past a row's tokens the draft loop writes
+        self.aux_layers = head.aux_layers  # target layers whose output stream the head reads
+        self.head = head
+        self.verifier = Verifier(spec, thinking_tokens)
+        self.drafter = Drafter(head, head_kv, block_size, d, model.rope.cos_cache.shape[0] - 1)
+
+    # -- host: what a step stages per row ---------------------------------------------------------------------
+    def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """The integer and float arrays a packed step stages for speculation, by name and shape."""
+        b, d = rows, self.draft_len
+        ints = dict(verify_idx=(b, d + 1), drafts=(b, d), num_drafts=(b,), can_accept=(b,), base_col=(b,),
+                    t0=(b,), start=(b,), ext=(b, q + d + 2), **{k: (b,) for k in ACCEPT_INTS})
+        return ints, dict(relaxed_delta=(b,))
+
+    def stage_packed(self, sched, a: dict[str, np.ndarray], f: dict[str, np.ndarray], row: np.ndarray,
+                     col: np.ndarray, first: np.ndarray, switches: StepSwitches) -> StepSwitches:
+        """Fill a packed step's speculative arrays (``packed_shapes``; a graph step's expansion kernel derives them
+        on the device from its record): row, col [T] each token's row and column, ``a["input_ids"]`` [T] its id,
+        first [B] each row's first flat index -> the step's switches with acceptance's."""
+        b, d = len(sched), self.draft_len
+        n = np.fromiter((s.num_tokens for s in sched), np.int64, b)
+        nd = np.fromiter((s.num_drafts for s in sched), np.int64, b)
+        base = first + n - 1 - nd  # flat index of the first verified position (the last known token)
+        a["verify_idx"][:] = np.minimum(base[:, None] + np.arange(d + 1), (base + nd)[:, None])
+        a["num_drafts"][:] = nd
+        a["base_col"][:], a["t0"][:] = n - 1 - nd, first
+        a["start"][:] = np.fromiter((s.start for s in sched), np.int64, b)
+        a["can_accept"][:] = np.fromiter((s.sample for s in sched), np.int64, b)  # samplers verify and draft
+        cols, delta = acceptance_columns([s.request for s in sched], b, self.spec)
+        f["relaxed_delta"][:] = delta
+        for k, v in cols.items():
+            a[k][:] = v
+        # the step's tokens as laid out: ext holds each row's tokens from column 0, drafts are the last nd of them
+        ext, drafts, tokens = a["ext"], a["drafts"], a["input_ids"]
+        ext[:] = 0
+        drafts[:] = 0
+        ext[row, col] = tokens
+        is_draft = col >= (n - nd)[row]
+        drafts[row[is_draft], (col - (n - nd)[row])[is_draft]] = tokens[is_draft]
+        for i, s in enumerate(sched):
+            if not s.sample:  # prompt lookahead: the next known tokens after a non-final chunk
+                nxt = s.request.token_ids[s.start + s.num_tokens:s.start + s.num_tokens + d + 1]
+                ext[i, s.num_tokens:s.num_tokens + len(nxt)] = nxt
+        return self._switches(switches, cols)
+
+    def record_params(self, sched, rows: int, ints: dict, floats: dict, switches: StepSwitches) -> StepSwitches:
+        """A graph step's per-row acceptance settings as record fields (padding rows: greedy, nothing to accept):
+        the four flags in one field [4, B], which the step's expansion kernel turns into booleans."""
+        cols, floats["relaxed_delta"] = acceptance_columns([s.request for s in sched], rows, self.spec)
+        can_accept = [int(s.sample) for s in sched] + [0] * (rows - len(sched))  # samplers verify and draft
+        ints["flags"] = can_accept + cols["greedy"] + cols["relaxed"] + cols["thinking"]
+        ints["relaxed_topk"] = cols["relaxed_topk"]
+        return self._switches(switches, cols)
+
+    @staticmethod
+    def restaged_flags(sched, rows: int, flags: list[int]) -> list[int]:
+        """The flags field of a record staged whole for the same rows, with each row's thinking phase as now."""
+        return flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched))
+
+    @staticmethod
+    def _switches(switches: StepSwitches, cols: dict[str, list[int]]) -> StepSwitches:
+        return StepSwitches(switches.all_greedy, switches.needs_filter,
+                            simple_greedy=switches.all_greedy and not any(cols["relaxed"]),
+                            max_topk=max(cols["relaxed_topk"]))
+
+    # -- device: a step's inputs -----------------------------------------------------------------------------
+    def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
+                      switches: StepSwitches, host_rows: list) -> SpecInputs:
+        """Device views of a packed step's speculative arrays (``packed_shapes``) -> its ``SpecInputs``."""
+        acc = self.verifier.inputs(sampling, a["greedy"], a["can_accept"], a["relaxed"], a["relaxed_topk"],
+                                   f["relaxed_delta"], a["thinking"], switches)
+        return SpecInputs(verify_idx=a["verify_idx"], verify_all=False, drafts=a["drafts"], num_drafts=a["num_drafts"],
+                          base_col=a["base_col"], t0=a["t0"], start=a["start"], ext=a["ext"],
+                          row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc, host_rows=host_rows)
+
+    def graph_inputs(self, f: dict, x: dict, sampling: SamplingTensors, switches: StepSwitches, verify_all: bool,
+                     host_rows: list) -> SpecInputs:
+        """Inside a graph step: its ``SpecInputs`` from the record's views ``f`` and their expansion ``x``
+        (``kernels.step_inputs``)."""
+        can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)  # [B] bool each
+        acc = self.verifier.inputs(sampling, greedy, can_accept, relaxed, f["relaxed_topk"], f["relaxed_delta"],
+                                   thinking, switches)
+        return SpecInputs(verify_idx=x["verify_idx"], verify_all=verify_all, drafts=x["drafts"],
+                          num_drafts=f["num_drafts"], base_col=x["base_col"], t0=x["t0"], start=f["start"],
+                          ext=x["ext"], row_of_token=x["row_of_token"].view(-1),
+                          col_of_token=x["col_of_token"].reshape(-1), accept=acc, host_rows=host_rows)
+
+    # -- device: verify, accept, draft -----------------------------------------------------------------------
+    def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
+        """After the target's forward pass -> the step's result by rows [1 + (D+1) + D, B]: accepted count,
+        emitted tokens, drafts. On the GPU the acceptance kernel and each draft step's argmax write their rows
+        in place (no concatenation kernels)."""
+        d = self.draft_len
+        b = batch.spec.verify_idx.shape[0]
+        res = torch.empty(2 * d + 2, b, dtype=torch.int64, device=hidden.device)
+        accepted, emitted = self.verifier(model, hidden, batch.spec, out=res[:d + 2])
+        place(res[0], accepted)
+        place(res[1:d + 2].t(), emitted)
+        place(res[d + 2:].t(), self.drafter(batch, hidden, aux, accepted, emitted, out=res[d + 2:].t()))
+        return res
+
+    # -- host: the copied-back result ------------------------------------------------------------------------
+    def results(self, sched, values: list) -> list[RowResult]:
+        """The step's rows [1 + (D+1) + D, B] as copied back -> per request: emitted tokens, drafts, counts."""
+        d = self.draft_len
+        out = []
+        for s, row in zip(sched, zip(*values)):
+            if not s.sample:
+                out.append(RowResult([]))
+                continue
+            acc = row[0]
+            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:]), s.num_drafts, acc))
+        return out
