@@ -20,6 +20,8 @@ way: ``gemv_rows``.)
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.nn.functional as F
 
@@ -42,14 +44,29 @@ TILE = 8192  # weight elements per program (BLOCK_N * padded K): 64 per thread a
 # tried, cuBLAS and the norm kernel 6.0; 1,024 keeps every other projection of the default model's verify steps
 # on these kernels, and with ``WIDE`` tiles (960 programs) that one.
 MAX_PROGRAMS = 1024
-NONE, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3  # prologues (4: qkv_rope's EMBED_CAT)
-# SiLU(gate) * up of a gate/up projection run on the stream s times the norm's weight (``norm_folds``):
-# gate and up are first scaled by the row's 1 / rms(s), the ``residual`` argument holding s [T, H]
-SILU_MUL_RSTD = 5
-# The o projection of a step whose attention split its keys merges the splits' partial sums in its prologue
-# (``merged_linear``): one merge kernel fewer per layer. The attention step leaves its splits unmerged for it
-# where ``merges_splits`` (tests set this False to run the merge kernel instead).
-ATTN_MERGE = 6
+
+
+class Prologue(enum.IntEnum):
+    """What a few-row projection computes from its input row before the dot products. The kernels take the value
+    as their ``PROLOGUE`` constexpr (an int: the wrappers pass ``int(prologue)``)."""
+    NONE = 0  # the row as it is
+    NORM = 1  # RMSNorm(x)
+    ADD_NORM = 2  # RMSNorm(x + residual); the sum is the new residual stream, written by the kernel too
+    SILU_MUL = 3  # SiLU(gate) * up of a gate/up projection's output [T, 2K]
+    # a draft head's layer input cat(norm(embedding[ids]), norm(x)) [2H], built in place (``qkv_rope`` only)
+    EMBED_CAT = 4
+    # SiLU(gate) * up of a gate/up projection run on the stream s times the norm's weight (``norm_folds``):
+    # gate and up are first scaled by the row's 1 / rms(s), the ``residual`` argument holding s [T, H]
+    SILU_MUL_RSTD = 5
+    # The o projection of a step whose attention split its keys merges the splits' partial sums in its prologue
+    # (``merged_linear``): one merge kernel fewer per layer
+    ATTN_MERGE = 6
+
+
+NONE, NORM, ADD_NORM, SILU_MUL = Prologue.NONE, Prologue.NORM, Prologue.ADD_NORM, Prologue.SILU_MUL
+SILU_MUL_RSTD, ATTN_MERGE = Prologue.SILU_MUL_RSTD, Prologue.ATTN_MERGE
+# The attention step leaves its splits unmerged for the o projection's ATTN_MERGE prologue where
+# ``merges_splits`` (tests set this False to run the merge kernel instead)
 MERGE_FOLD = True
 MERGE_MAX_SPLITS = 8  # every program merges every split (tables up to 2,048 keys); longer ones: the merge kernel
 # Several-row steps take this many times the features per program ``block_n``'s fitted rules give: with
@@ -85,7 +102,7 @@ def block_n(n: int, k: int, t: int = 1) -> int:
     return bn
 
 
-def linear_ref(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
+def linear_ref(x, weight, bias=None, prologue: Prologue = NONE, residual=None, norm_weight=None, eps: float = 0.0,
                add=None, kernels: bool = False):
     """x [T, K] (SILU_MUL, SILU_MUL_RSTD: [T, 2K]) -> (prologue(x) @ W.T + b (+ add) [T, N], new residual or None).
     SILU_MUL_RSTD: ``residual`` is the stream s [T, H] whose 1 / rms (with ``eps``) scales x first (PyTorch ops
@@ -132,7 +149,7 @@ def _dequantized(weight, scale, dtype):
     return weight if scale is None else (weight.float() * scale[:, None]).to(dtype)
 
 
-def fused_linear(x, weight, bias=None, prologue: int = NONE, residual=None, norm_weight=None, eps: float = 0.0,
+def fused_linear(x, weight, bias=None, prologue: Prologue = NONE, residual=None, norm_weight=None, eps: float = 0.0,
                  add=None, block: int | None = None, num_warps: int = 4, scale=None):
     """``linear_ref`` in one kernel where ``gemv_enabled`` (``add`` [T, N] is added before the one rounding);
     ``block`` / ``num_warps`` override the launch (benchmarks). ADD_NORM returns the new residual stream
@@ -222,7 +239,7 @@ def takes_kernel(n: int, k: int, t: int) -> bool:
     return k <= MAX_K and _programs_ok(triton.cdiv(n, block_n(n, k, t)), t)
 
 
-def fused_argmax(x, weight, prologue: int = NONE, norm_weight=None, eps: float = 0.0, scale=None, ids=None,
+def fused_argmax(x, weight, prologue: Prologue = NONE, norm_weight=None, eps: float = 0.0, scale=None, ids=None,
                  block: int | None = None, num_warps: int = 4, out=None):
     """x [T, K] -> argmax over ``fused_linear(x, weight, None, prologue, ...)``'s outputs per row [T] int64 (with
     ``ids`` [N]: ``ids`` at that index), ties to the lowest index: a draft step's output layer and its argmax in
@@ -273,7 +290,7 @@ def _launch(x, weight, bias, prologue, residual, norm_weight, eps, add, scale, o
             residual.stride(0) if residual is not None else 0, add.stride(0) if add is not None else 0,
             scale if scale is not None else out, weight.stride(0), *(parts or (out, out)), *(out2 or (out, out)),
             *margs, **mconst, K=k,
-            PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
+            PROLOGUE=int(prologue), HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_SCALE=scale is not None,
             BLOCK_N=bn, K1=k1, K2=k2, ARGMAX=parts is not None, HAS_OUT2=out2 is not None, HN=hn,
             HNP=triton.next_power_of_2(hn), num_warps=num_warps, **kernel_args(x))
     except Exception as e:

@@ -15,7 +15,7 @@ import torch
 from specserve.kernels import gemv, gemv_rows, kernel_failed, kernel_usable
 from specserve.kernels.pdl import kernel_args
 
-EMBED_CAT = 4  # the prologue of a draft head's layer: its input row built from a token's embedding and x
+EMBED_CAT = gemv.Prologue.EMBED_CAT  # a draft head's layer: its input row built from a token's embedding and x
 # Steps of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows on ``_qkv_rows_kernel``: 16 pairs per program, 4 warps
 # (H200, a 5-row step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72)
 ROWS_PAIRS = 16
@@ -70,7 +70,7 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
             ids, table, w_embed, q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, table.stride(0), weight.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], K=kx,
-            PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2,
+            PROLOGUE=int(prologue), HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq, HKV=hkv, K1=k1, K2=k2,
             **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rope", e)
@@ -99,7 +99,7 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
             q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, weight.stride(0), k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], T=t, TP=16, K=k, K1=k1,
-            K2=k2, PROLOGUE=prologue, HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq,
+            K2=k2, PROLOGUE=int(prologue), HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq,
             HKV=hkv, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)
         kernel_failed("qkv_rows", e)

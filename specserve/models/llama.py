@@ -16,7 +16,7 @@ from specserve.config import ModelConfig
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.attention import AttnPartials
-from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, fused_linear, linear_add_scaled,
+from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, Prologue, fused_linear, linear_add_scaled,
                                     merged_linear, merges_splits)
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
@@ -43,12 +43,13 @@ class Attention(nn.Module):
         """
         return self.normed(x, positions, meta, k_cache, v_cache)[0]
 
-    def normed(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None,
+    def normed(self, x, positions, meta, k_cache, v_cache, prologue: Prologue = NONE, residual=None, norm=None,
                embed=None, fold=None, stream=None, rows=None):
-        """``forward`` of prologue(x) -> (output, x + residual for ADD_NORM, else None). NORM / ADD_NORM (the
-        few-row GPU path): x normed by ``norm`` (after adding ``residual``); EMBED_CAT, ``embed`` = (ids [T],
-        table [V, H], embedding norm): cat(embedding norm(table[ids]), norm(x)), a draft head's input. Where the
-        kernel applies, the prologue, RoPE and the KV write all run inside the qkv projection. ``fold`` (the
+        """``forward`` of prologue(x) -> (output, x + residual for ADD_NORM, else None). ``prologue``, a
+        ``Prologue``: NORM / ADD_NORM (the few-row GPU path): x normed by ``norm`` (after adding ``residual``);
+        EMBED_CAT, ``embed`` = (ids [T], table [V, H], embedding norm): cat(embedding norm(table[ids]), norm(x)),
+        a draft head's input. Where the kernel applies, the prologue, RoPE and the KV write all run inside the qkv
+        projection. ``fold`` (the
         next RMSNorm, ``SwiGLU.norm_folds``): the output is (s, s * fold.weight), s = the o projection + the
         stream (``stream``, else x + residual, else x). ``rows`` = (index [N], layout), paged steps only: every
         token writes its KV, but attention and the o projection run for the flat tokens ``index`` only, as
@@ -70,7 +71,7 @@ class Attention(nn.Module):
         out = meta.attend(q, k, v, self.scale)  # [..., Hq, D]
         return self._o_proj(out.reshape(*qkv.shape[:-1], self.hq * self.d), *_folded(fold, stream, res, x)), res
 
-    def qkv_cached(self, x, positions, meta, k_cache, v_cache, prologue: int = NONE, residual=None, norm=None,
+    def qkv_cached(self, x, positions, meta, k_cache, v_cache, prologue: Prologue = NONE, residual=None, norm=None,
                    embed=None):
         """The paged path's first half: the qkv projection of prologue(x) (as ``normed``), RoPE, and k and v
         written to the cache at ``meta.slot_mapping`` -> (rotated q [T, Hq, D], x + residual for ADD_NORM, else
