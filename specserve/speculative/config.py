@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("eagle3", "mtp")
+MAX_DRAFT_LEN = 16  # longest draft chain a step may propose (the draft loop is unrolled up to it)
 
 
 @dataclass
@@ -58,8 +59,9 @@ class SpeculativeConfig:
             raise ValueError("use_relaxed_acceptance_for_thinking needs begin_thinking_phase_token")
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; use one of {METHODS}")
-        if not isinstance(self.max_draft_len, int) or not 1 <= self.max_draft_len <= 16:
-            raise ValueError(f"max_draft_len must be an integer in [1, 16], got {self.max_draft_len!r}")
+        if (not isinstance(self.max_draft_len, int) or isinstance(self.max_draft_len, bool)
+                or not 1 <= self.max_draft_len <= MAX_DRAFT_LEN):
+            raise ValueError(f"max_draft_len must be an integer in [1, {MAX_DRAFT_LEN}], got {self.max_draft_len!r}")
         if self.eagle3_layers_to_capture is not None:
             layers = tuple(int(x) for x in self.eagle3_layers_to_capture)
             if len(layers) != 3 or min(layers) < 0:
@@ -73,6 +75,24 @@ class SpeculativeConfig:
             raise ValueError(
                 f"forced_acceptance must be in [0, max_draft_len={self.max_draft_len}], got {self.forced_acceptance}"
             )
+
+    # -- numbers derived from D, computed here only ---------------------------------------------------------------
+    @property
+    def verify_len(self) -> int:
+        """D + 1: tokens a decoding row computes per step (its last token and the D drafts it verifies)."""
+        return self.max_draft_len + 1
+
+    @property
+    def lookahead_slots(self) -> int:
+        """D - 1: KV slots past a row's verified tokens that the draft loop writes (drafts 2..D are written at
+        last_pos + 1 .. last_pos + D - 1), so the scheduler reserves them beyond a sampling request's tokens."""
+        return self.max_draft_len - 1
+
+    @property
+    def kv_slots_past_len(self) -> int:
+        """2 D: KV slots a sequence at ``max_model_len`` tokens may still write (D verified drafts, then the draft
+        loop's ``lookahead_slots``, and one spare); the KV pool must hold them on top of ``max_model_len``."""
+        return 2 * self.max_draft_len
 
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
