@@ -6,14 +6,11 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.train.config import TrainConfig
 from specserve.train.prompts import read_prompts
-
-if TYPE_CHECKING:
-    from specserve.train.trainer import TrainConfig
 
 log = logging.getLogger("specserve")
 

@@ -15,12 +15,10 @@ step is host-bound for a small target, so processes add throughput). Request i i
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from specserve.train.trainer import TrainConfig
+from specserve.train.config import TrainConfig
 
 log = logging.getLogger("specserve")
 
