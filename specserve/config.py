@@ -1,15 +1,29 @@
-"""Configuration objects: what the model is, how big the KV cache is, how the scheduler batches.
+"""Configuration objects: what the model is, how big the KV cache is, how the scheduler batches, and the one
+engine configuration that holds them.
 
-Every config validates itself on construction and raises ``ValueError`` with the field name.
+The path is one way: CLI flags or ``LLM(...)`` keyword arguments -> ``EngineArgs`` (the user's values, vLLM's
+names) -> ``EngineArgs.create_engine_config()`` -> ``EngineConfig`` (validated; the engine and everything
+after it read only this) -> ``EngineConfig.with_model()`` once the weights are loaded and the KV pool is sized,
+which fixes ``max_model_len``. Every config validates itself on construction and raises ``ValueError`` with the
+field name; every number derived from the settings (lookahead slots, KV capacity, CUDA-graph rows) is a named
+property computed in one place.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from specserve.speculative.config import SpeculativeConfig
+
+log = logging.getLogger("specserve")
+
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
 
 # Hugging Face ``architectures`` entries this engine runs, mapped to a family tag used by the loaders.
 SUPPORTED_ARCHITECTURES = {
@@ -162,14 +176,16 @@ class CacheConfig:
     num_blocks: int | None = None  # exact block count; overrides the byte budget (tests use tiny pools)
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is reserved for padding), got {self.num_blocks}")
+        if (not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool)
+                or not 0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if self.num_blocks is not None:  # one block is reserved for padding
+            _check_int("num_blocks", self.num_blocks, 2)
 
 
 @dataclass
@@ -183,14 +199,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # KV slots reserved beyond a sampling request's tokens (``SpeculativeConfig.lookahead_slots``; 0 without)
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len <= 0:  # None: the model's length
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:  # None: the model's length
+            _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("num_lookahead_slots", self.num_lookahead_slots, 0)
 
 
 _DTYPES = {
@@ -223,9 +240,153 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _check_int(name: str, value, minimum: int) -> None:
+    """An integer setting (not a bool, a float or a string) of at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def blocks_for_bytes(budget: int, bytes_per_block: int) -> int:
     return max(0, math.floor(budget / bytes_per_block))
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine, as the user gave it: the keyword arguments of ``LLM`` (vLLM's
+    names). ``create_engine_config`` validates them into the ``EngineConfig`` the engine reads."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # of the GPU's total memory, as vLLM
+    num_kv_blocks: int | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
+    enforce_eager: bool = False  # True: no CUDA graphs (used on CUDA only); steps keep the graphs' padded layouts
+    max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
+    attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
+    # detokenize and report a step while the device runs the next one (``LLMEngine.step``); None: on CUDA
+    async_output: bool | None = None
+
+    def create_engine_config(self) -> "EngineConfig":
+        """Validate every setting that does not need the model's weights (a bad value fails here, before a
+        model is loaded) -> the engine's one configuration."""
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                            gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_kv_blocks)
+        spec = SpeculativeConfig.from_value(self.speculative_config)
+        if spec is not None and spec.draft_model is None:
+            raise ValueError("speculative decoding needs a draft_model folder (--draft PATH)")
+        sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                max_model_len=self.max_model_len,
+                                num_lookahead_slots=spec.lookahead_slots if spec is not None else 0)
+        if self.async_output is not None and not isinstance(self.async_output, bool):
+            raise ValueError(f"async_output must be True, False or None, got {self.async_output!r}")
+        return EngineConfig(model=self.model, device=device, dtype=dtype, cache_config=cache,
+                            scheduler_config=sched, speculative_config=spec, attention_backend=self.attention_backend,
+                            enforce_eager=bool(self.enforce_eager),
+                            async_output=device.type == "cuda" if self.async_output is None else self.async_output,
+                            max_cuda_graph_batch_size=self.max_cuda_graph_batch_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's one validated configuration (``EngineArgs.create_engine_config``); ``LLMEngine`` and
+    everything it builds read only this. ``model_config`` and ``num_kv_blocks`` are known once the model is
+    loaded and the KV pool sized: ``with_model`` adds them and fixes ``max_model_len``."""
+
+    model: str | None  # the model reference, for the loader
+    device: torch.device
+    dtype: torch.dtype
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    speculative_config: SpeculativeConfig | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    async_output: bool = False  # resolved: True on CUDA unless the user turned it off
+    max_cuda_graph_batch_size: int = 128
+    model_config: ModelConfig | None = None  # set by ``with_model``
+    num_kv_blocks: int | None = None  # KV pool size in blocks (block 0 is padding), set by ``with_model``
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be auto, triton or sdpa, got {self.attention_backend!r}")
+        _check_int("max_cuda_graph_batch_size", self.max_cuda_graph_batch_size, 0)
+
+    # -- derived numbers, each computed here only ----------------------------------------------------------------
+    @property
+    def max_draft_len(self) -> int:
+        """D, the configured draft length (0 without speculative decoding)."""
+        return self.speculative_config.max_draft_len if self.speculative_config is not None else 0
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots past a row's tokens that a step may write (the draft loop's, D - 1; 0 without speculation);
+        the scheduler reserves them (``scheduler_config.num_lookahead_slots``)."""
+        return self.speculative_config.lookahead_slots if self.speculative_config is not None else 0
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens a decoding row computes per step: 1, or D + 1 with speculation."""
+        return self.speculative_config.verify_len if self.speculative_config is not None else 1
+
+    @property
+    def kv_slots_past_len(self) -> int:
+        """KV slots a sequence of ``max_model_len`` tokens may still write (2 D with speculation, else 0)."""
+        return self.speculative_config.kv_slots_past_len if self.speculative_config is not None else 0
+
+    @property
+    def cuda_graph_max_rows(self) -> int:
+        """Most rows of a step replayed from a CUDA graph; larger decode batches run eagerly."""
+        return min(self.scheduler_config.max_num_seqs, self.max_cuda_graph_batch_size)
+
+    @property
+    def kv_capacity(self) -> int:
+        """Token slots of the KV pool (every block but the padding block 0)."""
+        if self.num_kv_blocks is None:
+            raise RuntimeError("the KV pool is not sized yet (EngineConfig.with_model)")
+        return (self.num_kv_blocks - 1) * self.cache_config.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the engine runs: the user's, else the model's context, lowered to
+        what the KV pool holds (``with_model``)."""
+        if self.model_config is None:
+            raise RuntimeError("max_model_len is known once the model is loaded (EngineConfig.with_model)")
+        return self.scheduler_config.max_model_len
+
+    def with_model(self, model_config: ModelConfig, num_kv_blocks: int) -> "EngineConfig":
+        """This config completed by the loaded model's shape and the KV pool's size: ``max_model_len`` is checked
+        against the model's context and lowered (with a warning) to what the pool holds besides the slots
+        speculation writes past a sequence's end."""
+        context = model_config.max_position_embeddings
+        asked = self.scheduler_config.max_model_len
+        if asked is not None and asked > context:
+            raise ValueError(f"max_model_len={asked} exceeds the model's context of {context} "
+                             "(max_position_embeddings)")
+        max_len = context if asked is None else asked
+        _check_int("num_kv_blocks", num_kv_blocks, 2)
+        done = dataclasses.replace(self, model_config=model_config, num_kv_blocks=num_kv_blocks)
+        capacity = done.kv_capacity - self.kv_slots_past_len
+        if capacity < 2:  # a prompt token and one generated token
+            raise ValueError(
+                f"the KV cache holds {done.kv_capacity} tokens ({num_kv_blocks - 1} blocks of "
+                f"{self.cache_config.block_size}), too few for one sequence"
+                + (f" with {self.kv_slots_past_len} slots of speculation past its end" if self.kv_slots_past_len
+                   else "") + ": give the KV cache more memory or blocks")
+        if max_len > capacity:
+            log.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d", capacity, max_len, capacity)
+            max_len = capacity
+        return dataclasses.replace(done, scheduler_config=dataclasses.replace(self.scheduler_config,
+                                                                              max_model_len=max_len))

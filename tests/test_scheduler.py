@@ -13,6 +13,7 @@ from specserve.core.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.runner.model_runner import RowResult
 from specserve.scheduler.scheduler import Scheduler
+from specserve.speculative.config import SpeculativeConfig
 
 
 def apply(s: Scheduler, out, tokens: list[int]) -> None:
@@ -59,7 +60,7 @@ def test_chunked_prefill_and_decode_share_a_step():
 
 def test_lookahead_slots_are_reserved_for_sampling_requests():
     pool = BlockPool(64, 4)
-    s = Scheduler(SchedulerConfig(), pool, num_lookahead_slots=5)
+    s = Scheduler(SchedulerConfig(num_lookahead_slots=5), pool)
     a = req("a", 8)
     s.add(a)
     s.schedule()
@@ -85,7 +86,7 @@ def test_newest_request_is_preempted_and_requeued_first():
 
 def test_drafts_are_scheduled_for_verification_and_rejected_ones_dropped_by_length():
     pool = BlockPool(64, 4)
-    s = Scheduler(SchedulerConfig(), pool, num_lookahead_slots=2)  # D = 3
+    s = Scheduler(SchedulerConfig(num_lookahead_slots=SpeculativeConfig(max_draft_len=3).lookahead_slots), pool)
     a = req("a", 5)
     s.add(a)
     out = s.schedule()

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any, Sequence
 
 from specserve.core.request import CompletionOutput, RequestOutput
-from specserve.engine.llm_engine import EngineArgs, LLMEngine
+from specserve.config import EngineArgs
+from specserve.engine.llm_engine import LLMEngine
 from specserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -16,7 +17,8 @@ class LLM:
     """An engine for offline batched generation.
 
     ``model`` is a Hugging Face folder, a ``.gguf`` file, or None for the embedded default
-    (SmolLM2-135M-Instruct). Other keyword arguments are the fields of :class:`EngineArgs`.
+    (SmolLM2-135M-Instruct). Other keyword arguments are the fields of :class:`EngineArgs`; the engine
+    validates them into its ``EngineConfig`` (``llm.engine.config``).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -25,6 +27,13 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(names - {'model'})}")
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        """An LLM over an engine built from ``args`` (the command line builds its ``EngineArgs`` itself)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        return llm
 
     @property
     def tokenizer(self):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
-
 
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
-from specserve.config import CacheConfig, SchedulerConfig, resolve_device, resolve_dtype
+from specserve.config import EngineArgs, EngineConfig
 from specserve.core.metrics import SpecStats
 from specserve.core.request import CompletionOutput, Request, RequestOutput
 from specserve.loaders import load_model
@@ -16,88 +14,54 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.checkpoint import load_draft_head
-from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.worker import SpecDecodeRunner
+from specserve.speculative.speculator import Speculator
 from specserve.tokenizer import IncrementalDetokenizer
+
+__all__ = ["EngineArgs", "EngineConfig", "LLMEngine"]  # EngineArgs lives in specserve.config, importable here
 
 log = logging.getLogger("specserve")
 
 
-@dataclass
-class EngineArgs:
-    """Everything needed to build an engine (the keyword arguments of ``LLM``)."""
-
-    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
-    dtype: str = "auto"
-    device: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # of the GPU's total memory, as vLLM
-    num_kv_blocks: int | None = None
-    speculative_config: SpeculativeConfig | dict | None = None
-    enforce_eager: bool = False  # True: no CUDA graphs (used on CUDA only); steps keep the graphs' padded layouts
-    max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
-    attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
-    # detokenize and report a step while the device runs the next one (``LLMEngine.step``); None: on CUDA
-    async_output: bool | None = None
-
-
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        self.cache_config = CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                                        gpu_memory_utilization=args.gpu_memory_utilization,
-                                        num_blocks=args.num_kv_blocks)
-        loaded = load_model(args.model, self.dtype, self.device)
+    def __init__(self, args: EngineArgs | EngineConfig) -> None:
+        # everything below reads the validated config only
+        config = args.create_engine_config() if isinstance(args, EngineArgs) else args
+        self.device, self.dtype = config.device, config.dtype
+        self.cache_config = config.cache_config
+        self.spec_config = config.speculative_config
+        loaded = load_model(config.model, self.dtype, self.device)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         cfg = self.model_config
-        self.spec_config = SpeculativeConfig.from_value(args.speculative_config)
         self.head = None
         if self.spec_config is not None:
             self.head = load_draft_head(self.spec_config, self.model, self.device, self.dtype)
         # one KV tensor: target layers, then the head's layers
+        block_size = self.cache_config.block_size
         kv_layers = cfg.num_hidden_layers + (self.head.num_kv_layers if self.head is not None else 0)
-        per_block = bytes_per_block(kv_layers, args.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        per_block = bytes_per_block(kv_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         # the head shares tensors with the target (RoPE tables, where bound, the embedding): count each once
         weights = {id(t): t for m in (self.model, self.head) if m is not None for t in (*m.parameters(), *m.buffers())}
         num_blocks = plan_num_blocks(self.cache_config, per_block, self.device,
                                      sum(t.numel() * t.element_size() for t in weights.values()))
-        self.kv_cache = KVCache(kv_layers, num_blocks, args.block_size, cfg.num_key_value_heads,
+        self.config = config = config.with_model(cfg, num_blocks)  # fixes max_model_len
+        self.kv_cache = KVCache(kv_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks, args.block_size)
-        max_len = cfg.max_position_embeddings if args.max_model_len is None else args.max_model_len
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's context of {cfg.max_position_embeddings}")
-        d = self.spec_config.max_draft_len if self.spec_config is not None else 0
-        capacity = self.pool.num_usable * args.block_size - 2 * d  # room for verify + draft slots
-        if max_len > capacity:
-            log.warning("KV cache holds %d tokens; max_model_len lowered from %d to %d", capacity, max_len, capacity)
-            max_len = capacity
-        self.max_model_len = max_len
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                                   max_model_len=max_len), self.pool,
-                                   num_lookahead_slots=max(0, d - 1))
+        self.pool = BlockPool(num_blocks, block_size)
+        self.max_model_len = config.max_model_len
+        self.scheduler = Scheduler(config.scheduler_config, self.pool)
         self.thinking_tokens = self._thinking_tokens()
-        if args.attention_backend not in ("auto", "triton", "sdpa"):
-            raise ValueError(f"attention_backend must be auto, triton or sdpa, got {args.attention_backend!r}")
-        graph_rows = min(args.max_num_seqs, args.max_cuda_graph_batch_size)
-        runner_kwargs = dict(max_model_len=max_len, cuda_graph_max_rows=graph_rows,
-                             capture_graphs=not args.enforce_eager,
-                             attention_backend=args.attention_backend,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
-        if self.head is None:
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device, **runner_kwargs)
-        else:
-            self.runner = SpecDecodeRunner(self.model, self.head, self.kv_cache, self.device, self.spec_config,
-                                           self.thinking_tokens, **runner_kwargs)
-        self.async_output = self.device.type == "cuda" if args.async_output is None else args.async_output
+        runner_kwargs = dict(max_model_len=config.max_model_len, cuda_graph_max_rows=config.cuda_graph_max_rows,
+                             capture_graphs=not config.enforce_eager,
+                             attention_backend=config.attention_backend,
+                             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
+        speculator = None
+        if self.head is not None:  # the head's KV layers follow the target's in the one KV tensor
+            head_kv = self.kv_cache.layer_views()[cfg.num_hidden_layers:kv_layers]
+            speculator = Speculator(self.model, self.head, head_kv, self.spec_config, self.kv_cache.block_size,
+                                    self.thinking_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, speculator=speculator, **runner_kwargs)
+        self.async_output = config.async_output
         self._in_flight = None  # the step launched and not yet collected (``async_output``)
         self._error: Exception | None = None  # a failed launch after a collected step, raised by the next step()
         self.spec_stats = SpecStats()

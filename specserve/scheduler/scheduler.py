@@ -46,11 +46,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, num_lookahead_slots: int = 0) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool) -> None:
         self.cfg = cfg
         self.pool = pool
-        # Slots reserved beyond a sampling request's tokens (speculative drafts need 1 + D).
-        self.num_lookahead_slots = num_lookahead_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -63,7 +61,8 @@ class Scheduler:
 
     def _slots(self, req: Request, n: int) -> int:
         end = req.num_computed_tokens + n
-        return end + (self.num_lookahead_slots if end >= req.num_tokens else 0)
+        # a step that reaches the end of the known tokens also writes the draft loop's slots past them
+        return end + (self.cfg.num_lookahead_slots if end >= req.num_tokens else 0)
 
     @staticmethod
     def _need(req: Request) -> int:
