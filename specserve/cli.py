@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shlex
@@ -12,21 +13,26 @@ from pathlib import Path
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (vLLM's spellings); their defaults are ``EngineArgs``' and ``SpeculativeConfig``'s."""
+    from specserve.config import ATTENTION_BACKENDS, EngineArgs
+    from specserve.speculative.config import METHODS, SpeculativeConfig
+
+    e, s = EngineArgs(), SpeculativeConfig()
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", default=e.model,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, float16, bfloat16")
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    g.add_argument("--dtype", default=e.dtype, help="auto (bf16 on CUDA, float32 on CPU), float32, float16, bfloat16")
+    g.add_argument("--device", default=e.device, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--max-model-len", type=int, default=e.max_model_len, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="token budget per step; longer prompts are prefilled in chunks")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=int, default=None,
+    g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV-cache block (a power of two)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=int, default=e.kv_cache_memory_bytes,
                    help="KV cache size in bytes")
-    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=e.num_kv_blocks,
                    help="exact number of KV blocks (overrides the budget)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
                    help="fraction of the GPU's memory the engine may use: weights, activations and the KV cache, "
                         "which takes the rest (when --kv-cache-memory is not given)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -34,20 +40,22 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-async-output-proc", action="store_true",
                    help="detokenize and report each step before launching the next (default on CUDA: while "
                         "the device runs the next step)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "sdpa"],
+    g.add_argument("--attention-backend", default=e.attention_backend, choices=list(ATTENTION_BACKENDS),
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument("--draft", default=None,
                     help="draft head folder (EAGLE-3 or MTP layout); the default model uses its shipped head")
     sp.add_argument("--no-spec", action="store_true", help="turn speculative decoding off")
-    sp.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"], help="draft head type")
-    sp.add_argument("--draft-len", type=int, default=4, help="drafts per step (D)")
+    sp.add_argument("--method", default=s.method, choices=list(METHODS), help="draft head type")
+    sp.add_argument("--draft-len", type=int, default=s.max_draft_len,
+                    help="D, drafts proposed per step (speculative_config max_draft_len)")
     sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
                     help="MTP: run one module D times (default when the head has fewer modules than D)")
     sp.add_argument("--relaxed-acceptance", action="store_true",
                     help="relaxed acceptance inside the thinking phase (lossy; needs --begin-thinking-token)")
-    sp.add_argument("--relaxed-topk", type=int, default=1, help="relaxed: drafts among the k most likely tokens")
-    sp.add_argument("--relaxed-delta", type=float, default=0.0, help="relaxed: with p >= p(top1) - delta")
+    sp.add_argument("--relaxed-topk", type=int, default=s.relaxed_topk,
+                    help="relaxed: drafts among the k most likely tokens")
+    sp.add_argument("--relaxed-delta", type=float, default=s.relaxed_delta, help="relaxed: with p >= p(top1) - delta")
     sp.add_argument("--begin-thinking-token", default=None, help="token (id or text) that opens the thinking phase")
     sp.add_argument("--end-thinking-token", default=None, help="token (id or text) that closes the thinking phase")
     sp.add_argument("--forced-acceptance", type=float, default=None,
@@ -59,24 +67,31 @@ def _token_arg(value: str | None) -> int | str | None:
     return int(value) if value is not None and value.isdigit() else value
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
-    spec = None
-    if a.draft is None and a.model is None and not a.no_spec:  # the default model brings its own heads
+def engine_args(a: argparse.Namespace):
+    """The parsed engine flags -> ``EngineArgs``, the one place CLI names map to the engine's; nothing reads
+    the namespace's engine flags after this (``EngineArgs.create_engine_config`` validates)."""
+    from specserve.config import EngineArgs
+
+    draft = a.draft
+    if draft is None and a.model is None and not a.no_spec:  # the default model brings its own heads
         from specserve.heads import DEFAULT_HEADS
 
-        a.draft = str(DEFAULT_HEADS[a.method])
-    if a.draft is not None and not a.no_spec:
-        spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len, forced_acceptance=a.forced_acceptance,
-                    use_relaxed_acceptance_for_thinking=a.relaxed_acceptance, relaxed_topk=a.relaxed_topk,
-                    relaxed_delta=a.relaxed_delta, begin_thinking_phase_token=_token_arg(a.begin_thinking_token),
+        draft = str(DEFAULT_HEADS[a.method])
+    spec = None
+    if draft is not None and not a.no_spec:
+        spec = dict(method=a.method, draft_model=draft, max_draft_len=a.draft_len,
+                    forced_acceptance=a.forced_acceptance, use_relaxed_acceptance_for_thinking=a.relaxed_acceptance,
+                    relaxed_topk=a.relaxed_topk, relaxed_delta=a.relaxed_delta,
+                    begin_thinking_phase_token=_token_arg(a.begin_thinking_token),
                     end_thinking_phase_token=_token_arg(a.end_thinking_token))
         if a.mtp_eagle is not None:
             spec["mtp_eagle"] = a.mtp_eagle
-    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                kv_cache_memory_bytes=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
-                num_kv_blocks=a.num_kv_blocks, speculative_config=spec, enforce_eager=a.enforce_eager,
-                attention_backend=a.attention_backend, async_output=False if a.disable_async_output_proc else None)
+    return EngineArgs(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                      block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory,
+                      gpu_memory_utilization=a.gpu_memory_utilization, num_kv_blocks=a.num_kv_blocks,
+                      speculative_config=spec, enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
+                      async_output=False if a.disable_async_output_proc else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,68 +127,85 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
     sv.add_argument("-v", "--verbose", action="store_true")
 
+    _train_parser(sub)
+    _bench_parser(sub)
+    return parser
+
+
+def _train_parser(sub) -> None:
+    """``train-draft``: one flag per ``TrainConfig`` field (but ``train.config.NO_FLAG``), defaults the fields'."""
+    from types import SimpleNamespace
+
+    from specserve.train.config import EXPORT_DTYPES, NO_FLAG, TrainConfig, field_defaults
+
+    d = SimpleNamespace(**field_defaults())
     tr = sub.add_parser("train-draft", help="train an EAGLE-3 or MTP-Eagle draft head for a target model")
     tr.add_argument("--target", default=None, help="target model (HF folder or .gguf; default: the embedded model)")
     tr.add_argument("--method", required=True, choices=["eagle3", "mtp"])
     tr.add_argument("--prompts", nargs="+", default=[], help="prompt files (JSONL/JSON, .gz allowed)")
     tr.add_argument("--out", required=True, help="output folder (checkpoint, head/, report.json, plots)")
-    tr.add_argument("--eval-prompts", nargs="*", default=[], help="extra held-out prompt files for the report")
-    tr.add_argument("--data", nargs="+", default=None,
+    tr.add_argument("--eval-prompts", nargs="*", default=d.eval_prompts,
+                    help="extra held-out prompt files for the report")
+    tr.add_argument("--data", nargs="+", default=d.data,
                     help="reuse regenerated data (data.pt) of earlier runs; several files are combined")
-    tr.add_argument("--holdout", type=float, default=0.05, help="fraction of prompts held out of training")
-    tr.add_argument("--max-prompts", type=int, default=None)
-    tr.add_argument("--gen-max-tokens", type=int, default=256, help="max tokens of each regenerated response")
-    tr.add_argument("--gen-temperature", type=float, default=0.0, help="temperature of the regenerated responses")
-    tr.add_argument("--gen-seed", type=int, default=None,
+    tr.add_argument("--holdout", type=float, default=d.holdout, help="fraction of prompts held out of training")
+    tr.add_argument("--max-prompts", type=int, default=d.max_prompts)
+    tr.add_argument("--gen-max-tokens", type=int, default=d.gen_max_tokens,
+                    help="max tokens of each regenerated response")
+    tr.add_argument("--gen-temperature", type=float, default=d.gen_temperature,
+                    help="temperature of the regenerated responses")
+    tr.add_argument("--gen-seed", type=int, default=d.gen_seed,
                     help="sampling seed of the regenerated responses (and of --synthetic-prompts): request i uses "
                          "seed N + i, so give runs seeds further apart than the number of prompts (default: --seed, "
                          "which also splits the prompts)")
-    tr.add_argument("--gen-workers", type=int, default=1,
+    tr.add_argument("--gen-workers", type=int, default=d.gen_workers,
                     help="engine processes regenerating in parallel on the device (a small target is host-bound)")
-    tr.add_argument("--synthetic-prompts", type=int, default=0, metavar="N",
+    tr.add_argument("--synthetic-prompts", type=int, default=d.synthetic_prompts, metavar="N",
                     help="also train on N user messages the target writes itself (sampled from its chat template "
                          "up to a user turn): general prompts when the prompt files cover few domains")
-    tr.add_argument("--synthetic-temperature", type=float, default=1.0)
-    tr.add_argument("--synthetic-openers", nargs="+", default=[], metavar="WORDS",
+    tr.add_argument("--synthetic-temperature", type=float, default=d.synthetic_temperature)
+    tr.add_argument("--synthetic-openers", nargs="+", default=d.synthetic_openers, metavar="WORDS",
                     help="start synthesized message i with opener i mod n (e.g. Classify Rewrite \"Tell me\"), for "
                          "requests of those kinds rather than the kind the target writes most often")
-    tr.add_argument("--synthetic-max-tokens", type=int, default=128,
+    tr.add_argument("--synthetic-max-tokens", type=int, default=d.synthetic_max_tokens,
                     help="longest synthesized message; ones the target has not ended by then are dropped")
-    tr.add_argument("--init-from", default=None, metavar="HEAD",
+    tr.add_argument("--init-from", default=d.init_from, metavar="HEAD",
                     help="start from an exported head's weights (same method and layers), e.g. to fine-tune a "
                          "shipped head on more data")
     tr.add_argument("--regenerate-only", action="store_true",
                     help="write the regenerated data (OUT/data.pt) and stop; train from it later with --data")
-    tr.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"],
+    tr.add_argument("--target-dtype", default=d.target_dtype, choices=["float32", "bfloat16"],
                     help="dtype of the target's features in training (bfloat16 also runs the head's matmuls in it)")
-    tr.add_argument("--max-seq-len", type=int, default=1024)
-    tr.add_argument("--steps", type=int, default=2000)
-    tr.add_argument("--batch-size", type=int, default=16, help="sequences per training step")
-    tr.add_argument("--lr", type=float, default=5e-4)
-    tr.add_argument("--warmup", type=int, default=100)
-    tr.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training-time test")
-    tr.add_argument("--draft-vocab", type=int, default=0,
+    tr.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
+    tr.add_argument("--steps", type=int, default=d.steps)
+    tr.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per training step")
+    tr.add_argument("--lr", type=float, default=d.lr)
+    tr.add_argument("--warmup", type=int, default=d.warmup)
+    tr.add_argument("--ttt-steps", type=int, default=d.ttt_steps,
+                    help="draft steps unrolled in training-time test")
+    tr.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                     help="EAGLE-3: own lm_head over the N most frequent tokens (0: share the target's lm_head)")
     tr.add_argument("--draft-vocab-shared", action="store_true",
                     help="with --draft-vocab N: no own lm_head, the target's lm_head rows at those N tokens (a "
                          "small head file and cheaper draft steps; with --init-from HEAD --steps 0, restricts a "
                          "head trained on the whole vocabulary)")
-    tr.add_argument("--aux-layers", type=int, nargs=3, default=None, metavar="LAYER",
+    tr.add_argument("--aux-layers", type=int, nargs=3, default=d.aux_layers, metavar="LAYER",
                     help="EAGLE-3: the three target layers whose outputs feed the head (default: 1, L/2-1, L-4)")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--device", default=None)
-    tr.add_argument("--eval-draft-len", type=int, default=4)
-    tr.add_argument("--eval-max-prompts", type=int, default=0,
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--device", default=d.device)
+    tr.add_argument("--eval-draft-len", type=int, default=d.eval_draft_len)
+    tr.add_argument("--eval-max-prompts", type=int, default=d.eval_max_prompts,
                     help="evaluate on at most this many prompts of each set (default 0: all of them)")
-    tr.add_argument("--eval-max-tokens", type=int, default=256)
-    tr.add_argument("--time-limit", type=float, default=None,
+    tr.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens)
+    tr.add_argument("--time-limit", type=float, default=d.time_limit,
                     help="stop training after this many seconds (counted over resumes; the LR decays over it)")
-    tr.add_argument("--stop-after", type=float, default=None,
+    tr.add_argument("--stop-after", type=float, default=d.stop_after,
                     help="checkpoint and exit after this many seconds of this invocation; rerun to resume")
-    tr.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    tr.add_argument("--export-dtype", default=d.export_dtype, choices=list(EXPORT_DTYPES))
     tr.add_argument("-v", "--verbose", action="store_true")
-    _bench_parser(sub)
-    return parser
+    missing = sorted({f.name for f in dataclasses.fields(TrainConfig)} - {x.dest for x in tr._actions} - set(NO_FLAG))
+    if missing:  # a new field needs a flag (or a place in NO_FLAG): fail on every use, not on some run's
+        raise AssertionError(f"TrainConfig fields without a train-draft flag: {missing}")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -186,7 +218,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                                 seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
                                 stop_token_ids=a.stop_token_ids or [], ignore_eos=a.ignore_eos)
-        llm = LLM(model=a.model, **_engine_kwargs(a))
+        llm = LLM.from_engine_args(engine_args(a))
     except (ValueError, FileNotFoundError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
@@ -334,7 +366,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from specserve import LLMEngine
-    from specserve.engine.llm_engine import EngineArgs
     from specserve.server.app import build_app
     from specserve.server.async_engine import AsyncEngine
 
@@ -344,7 +375,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 2
         a.model = a.model_tag
     try:
-        engine = LLMEngine(EngineArgs(model=a.model, **_engine_kwargs(a)))
+        engine = LLMEngine(engine_args(a))
     except (ValueError, FileNotFoundError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
@@ -363,16 +394,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(a: argparse.Namespace) -> int:
-    from specserve.train.trainer import TrainConfig, train
+def train_config(a: argparse.Namespace):
+    """The parsed ``train-draft`` flags -> ``TrainConfig`` (validated): every field but ``NO_FLAG`` by its flag."""
+    from specserve.train.config import NO_FLAG, TrainConfig
 
-    fields = ("target", "method", "prompts", "out", "eval_prompts", "data", "holdout", "max_prompts",
-              "gen_max_tokens", "gen_temperature", "gen_seed", "target_dtype", "max_seq_len", "steps",
-              "batch_size", "lr", "warmup", "ttt_steps", "draft_vocab", "draft_vocab_shared", "aux_layers", "seed", "device", "eval_draft_len", "eval_max_prompts",
-              "eval_max_tokens", "export_dtype", "time_limit", "stop_after", "gen_workers", "regenerate_only",
-              "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens", "synthetic_openers", "init_from")
+    return TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in NO_FLAG})
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from specserve.train.trainer import train
+
     try:
-        cfg = TrainConfig(**{f: getattr(a, f) for f in fields})
+        cfg = train_config(a)
         report = train(cfg)
     except (ValueError, OSError) as e:  # bad options, unreadable or missing files
         print(f"specserve: error: {e}", file=sys.stderr)
