@@ -36,7 +36,7 @@ def record(path: str) -> None:
     for k in WIDTHS:
         x, res, nw = torch.randn(t, k).half(), torch.randn(t, k).half(), torch.ones(k).half()
         # gate/up's default launch, 32 features / 2 warps (a few output features: the build depends on K only)
-        gemv_rows.rows_projection(x, torch.randn(64, k).half(), form="dot", block=32, num_warps=2)
+        gemv_rows.rows_linear(x, torch.randn(64, k).half(), block=32, num_warps=2)
         cache = torch.zeros(4, 16, hkv, d).half()
         freqs = torch.randn(16, d // 2)
         _qkv_rows(x, torch.randn((hq + 2 * hkv) * d, k).half(), None, ADD_NORM, res, nw, 1e-5, torch.arange(t), freqs,

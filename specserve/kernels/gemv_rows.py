@@ -8,8 +8,8 @@ in 960 programs). Here a program owns a block of output features and every row: 
 ``tl.dot`` of the rows (padded to 16) by the block's weights, float32 accumulation (tensor cores in bfloat16 /
 float16; float32 inputs in IEEE precision).
 
-H200, 5 rows, the default model's gate/up (``benchmarks/bench_rows.py``): 32 features per program and 2 warps
-2.21 µs a call, against 6.67 for one program per row with the norm in its prologue (5.50 without) and cuBLAS
+H200, 5 rows, the default model's gate/up (``benchmarks/bench_rows.py`` at commit ed3bfd2, removed with the forms
+that lost): 32 features per program and 2 warps 2.21 µs a call, against 6.67 for one program per row with the norm in its prologue (5.50 without) and cuBLAS
 4.28; rows formed in turn (4.67 at best) or as one broadcast product (8.31) lost and were removed.
 
 No prologue: the projection this serves is a verify step's gate/up with the norm before it folded into its
@@ -37,7 +37,7 @@ if HAVE_TRITON:
     from specserve.kernels.gemv import _gemv_normed, _gemv_weights
     from specserve.kernels.pdl import pdl_begin, pdl_wait
 
-# The launch: 32 features per program, 2 warps (bench_rows.py's best at 5 rows on the H200)
+# The launch: 32 features per program, 2 warps (the best of bench_rows.py's sweep at 5 rows on the H200)
 BLOCK_N = 32
 NUM_WARPS = 2
 # Steps of fewer rows keep one program per row: at 2 rows that kernel with its norm prologue costs 3.9 µs against
