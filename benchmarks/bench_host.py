@@ -65,10 +65,7 @@ def main() -> None:
                 rec, switches = runner.stage_graph(batch, layout)
                 t1 = time.perf_counter()
                 t_in.append(t1 - t0)
-                if spec:
-                    runner._graph_step_inputs(rec, switches, layout)
-                else:
-                    runner.graph_views(rec)
+                runner.graph_batch(rec, switches, layout, batch.scheduled)
                 t_views.append(time.perf_counter() - t1)
                 return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2) if spec
                                               else RowResult([7]) for s in batch.scheduled])

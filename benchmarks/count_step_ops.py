@@ -83,7 +83,7 @@ def main() -> None:
     runner = eng.runner
     wrap_phase(counter, runner.model, "forward", "target", "accept or sample")
     if a.spec:
-        wrap_phase(counter, runner.head, "propose", "draft", "after")
+        wrap_phase(counter, runner.speculator.drafter.head, "propose", "draft", "after")
     with counter, torch.inference_mode():
         eng.step()
     phases = collections.Counter()

@@ -225,7 +225,7 @@ def check_step_inputs(device, dtype):
         tables = torch.randint(1, 500, (b, m), generator=g)
         flags = torch.randint(0, 2, (4, b), generator=g) if d else None
         args = [x.to(device) for x in (start, count, nd, tokens, tables)]
-        kw = dict(num_drafts=d, flags=flags.to(device)) if d else {}
+        kw = dict(draft_len=d, flags=flags.to(device)) if d else {}
         got = expand_record(*args, 16, **kw)
         ref = expand_record_ref(*args, 16, **kw)
         assert got.keys() == ref.keys()

@@ -95,9 +95,9 @@ def test_a_kernel_that_does_not_build_falls_back_to_its_reference(monkeypatch, c
     args = (torch.tensor([3, 0]), torch.tensor([2, 1]), torch.tensor([1, 0]), torch.tensor([[5, 6], [0, 0]]),
             torch.tensor([[1, 2], [0, 0]]), 16)
     with caplog.at_level("WARNING", logger="specserve"):
-        got = step_inputs.expand_record(*args, num_drafts=1, flags=torch.ones(4, 2, dtype=torch.int64))
+        got = step_inputs.expand_record(*args, draft_len=1, flags=torch.ones(4, 2, dtype=torch.int64))
         step_inputs.expand_record(*args)
-    ref = step_inputs.expand_record_ref(*args, num_drafts=1, flags=torch.ones(4, 2, dtype=torch.int64))
+    ref = step_inputs.expand_record_ref(*args, draft_len=1, flags=torch.ones(4, 2, dtype=torch.int64))
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert kernels.FAILED == {"expand_record"}
     assert sum("expand_record failed to build" in r.message for r in caplog.records) == 1

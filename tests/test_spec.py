@@ -113,8 +113,8 @@ class OracleHead(DraftHead):
         for row, pos in zip(x.host_rows, x.last_pos.tolist()):
             req = row.request
             full = self.refs.get(tuple(req.token_ids[:req.num_prompt_tokens]), [])
-            d = list(full[pos + 2:pos + 2 + x.num_drafts])
-            d += [0] * (x.num_drafts - len(d))
+            d = list(full[pos + 2:pos + 2 + x.draft_len])
+            d += [0] * (x.draft_len - len(d))
             if self.wrong_from is not None:
                 d[self.wrong_from:] = [(t + 1) % self.vocab for t in d[self.wrong_from:]]
             out.append(d)

@@ -22,7 +22,7 @@ if HAVE_TRITON:
 
 
 def draft_inputs_ref(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, row_of_token, col_of_token,
-                     block_size: int, num_drafts: int, max_pos: int) -> dict[str, torch.Tensor]:
+                     block_size: int, draft_len: int, max_pos: int) -> dict[str, torch.Tensor]:
     """accepted, base_col, t0, start [B] int64; emitted [B, D+1]; ext [B, W] (the step's tokens by row); draft_ok
     [B] bool; tables [B, M]; row_of_token, col_of_token [T] -> ext [B, W] (bonus at last_col + 1 of drafting
     rows), last_col, last_idx, last_pos [B], ids0 [T] (the token after each one), chain_pos, chain_slot [K, B]
@@ -35,7 +35,7 @@ def draft_inputs_ref(accepted, emitted, base_col, t0, start, ext, draft_ok, tabl
     bonus = emitted[rows, accepted]
     ext[rows, last_col + 1] = torch.where(draft_ok, bonus, ext[rows, last_col + 1])
     last_pos = start + last_col
-    ks = torch.arange(1, max(2, num_drafts), device=accepted.device)  # [K]
+    ks = torch.arange(1, max(2, draft_len), device=accepted.device)  # [K]
     pos = torch.clamp(last_pos[:, None] + ks, max=max_pos)  # [B, K]
     blk = tables.gather(1, torch.clamp(pos // block_size, max=tables.shape[1] - 1))
     slot = torch.where(draft_ok[:, None], blk * block_size + pos % block_size, PAD_BLOCK * block_size)
@@ -48,14 +48,14 @@ BLOCK_T = 256  # tokens per program of the token part
 
 
 def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, row_of_token, col_of_token,
-                 block_size: int, num_drafts: int, max_pos: int) -> dict[str, torch.Tensor]:
+                 block_size: int, draft_len: int, max_pos: int) -> dict[str, torch.Tensor]:
     """As ``draft_inputs_ref``, in one kernel on CUDA: B programs for the rows, then one per BLOCK_T tokens."""
     args = (accepted, emitted, base_col, t0, start, ext, draft_ok, tables, row_of_token, col_of_token)
     if not use_triton(ext) or not kernel_usable("draft_inputs"):
-        return draft_inputs_ref(*args, block_size, num_drafts, max_pos)
+        return draft_inputs_ref(*args, block_size, draft_len, max_pos)
     b, w = ext.shape
     t = row_of_token.shape[0]
-    k = max(1, num_drafts - 1)
+    k = max(1, draft_len - 1)
     dev = ext.device
     ext_out = torch.empty_like(ext)
     rows3 = torch.empty(3, b, dtype=torch.int64, device=dev)  # last_col, last_idx, last_pos
@@ -70,7 +70,7 @@ def draft_inputs(accepted, emitted, base_col, t0, start, ext, draft_ok, tables, 
             BLOCK_T=BLOCK_T, **kernel_args(ext))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("draft_inputs", e)
-        return draft_inputs_ref(*args, block_size, num_drafts, max_pos)
+        return draft_inputs_ref(*args, block_size, draft_len, max_pos)
     return dict(ext=ext_out, last_col=rows3[0], last_idx=rows3[1], last_pos=rows3[2], ids0=ids0,
                 chain_pos=chain[0], chain_slot=chain[1])
 

@@ -19,10 +19,10 @@ LAYOUT = ("positions", "slots", "flat", "row_of_token", "col_of_token", "last") 
 SPEC = ("base_col", "t0", "verify_idx", "drafts", "ext", "flags")  # [B] x 2, [B, D+1], [B, D], [B, q+D+2], [4, B]
 
 
-def expand_record_ref(start, count, nd, tokens, tables, block_size: int, num_drafts: int | None = None,
+def expand_record_ref(start, count, nd, tokens, tables, block_size: int, draft_len: int | None = None,
                       flags: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """start, count, nd [B]; tokens [B, q]; tables [B, M] (int64) -> the LAYOUT tensors and, with
-    ``num_drafts`` (D), the SPEC ones (``flags`` [4, B] int64 -> bool)."""
+    ``draft_len`` (D), the SPEC ones (``flags`` [4, B] int64 -> bool)."""
     b, q = tokens.shape
     col = torch.arange(q, device=tokens.device)  # [q]
     real = col < count[:, None]  # [B, q]
@@ -31,9 +31,9 @@ def expand_record_ref(start, count, nd, tokens, tables, block_size: int, num_dra
     flat = torch.arange(b * q, device=tokens.device).view(b, q)
     out = dict(positions=pos, slots=blk * block_size + pos % block_size, flat=flat,
                row_of_token=flat // q, col_of_token=col.expand(b, q), last=flat[:, 0] + count - 1)
-    if num_drafts is None:
+    if draft_len is None:
         return out
-    d = num_drafts
+    d = draft_len
     base_col = count - 1 - nd  # [B]: column of the last known token
     t0 = flat[:, 0]  # [B]
     j = torch.arange(d + 1, device=tokens.device)
@@ -46,16 +46,16 @@ def expand_record_ref(start, count, nd, tokens, tables, block_size: int, num_dra
     return out
 
 
-def expand_record(start, count, nd, tokens, tables, block_size: int, num_drafts: int | None = None,
+def expand_record(start, count, nd, tokens, tables, block_size: int, draft_len: int | None = None,
                   flags: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """As ``expand_record_ref``, in one kernel on CUDA."""
     if not use_triton(tokens) or not kernel_usable("expand_record"):
-        return expand_record_ref(start, count, nd, tokens, tables, block_size, num_drafts, flags)
+        return expand_record_ref(start, count, nd, tokens, tables, block_size, draft_len, flags)
     b, q = tokens.shape
     m = tables.shape[1]
     dev = tokens.device
-    spec = num_drafts is not None
-    d = num_drafts or 0
+    spec = draft_len is not None
+    d = draft_len or 0
     lay = torch.empty(5, b, q, dtype=torch.int64, device=dev)
     last = torch.empty(b, dtype=torch.int64, device=dev)
     ints = torch.empty(2, b, dtype=torch.int64, device=dev) if spec else last
@@ -72,7 +72,7 @@ def expand_record(start, count, nd, tokens, tables, block_size: int, num_drafts:
             D_BLOCK=triton.next_power_of_2(d + 1), W_BLOCK=triton.next_power_of_2(w))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("expand_record", e)
-        return expand_record_ref(start, count, nd, tokens, tables, block_size, num_drafts, flags)
+        return expand_record_ref(start, count, nd, tokens, tables, block_size, draft_len, flags)
     out = dict(zip(LAYOUT[:5], lay.unbind(0)), last=last)
     if spec:
         out.update(base_col=ints[0], t0=ints[1], verify_idx=vidx, drafts=drafts, ext=ext, flags=bflags)

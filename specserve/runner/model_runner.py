@@ -165,7 +165,7 @@ class ModelRunner:
         spec = speculator
         # block-table entries past a row's tokens that a step may write (the draft loop's positions)
         self.table_lookahead = spec.lookahead_slots if spec is not None else 0
-        self.generation_q = 1 + (spec.draft_len if spec is not None else 0)  # tokens per row of a generation step
+        self.generation_q = spec.verify_len if spec is not None else 1  # tokens per row of a generation step
         self.aux_layers = spec.aux_layers if spec is not None else ()  # target layers the head reads
         max_len = max_model_len or model.config.max_position_embeddings
         # padding tokens sit at positions up to a layout's q - 1: they must stay inside the RoPE table
@@ -327,7 +327,7 @@ class ModelRunner:
         b, q = rec.rows, rec.q
         spec = self.speculator
         tables = f["tables"].view(b, rec.table_width)
-        more = {} if spec is None else dict(num_drafts=spec.draft_len, flags=f["flags"].view(4, b))
+        more = {} if spec is None else dict(draft_len=spec.draft_len, flags=f["flags"].view(4, b))
         x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,
                           **more)
         meta = AttentionMetadata(

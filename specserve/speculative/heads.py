@@ -42,7 +42,7 @@ class DraftInputs:
     block_tables: torch.Tensor  # [B, M] int64: covers each drafting row's positions up to last_pos + D - 1
     draft_ok: torch.Tensor  # [B] bool: rows whose drafts are used (others write head KV to the pad slot)
     block_size: int
-    num_drafts: int  # D
+    draft_len: int  # D: drafts per row
     step0_ids: torch.Tensor  # [T] int64: ids_ext[row_of_token, col_of_token + 1], the head input of each token
     chain: tuple[torch.Tensor, torch.Tensor]  # [K, B] each: positions, cache slots of chain steps 1..D-1
     host_rows: list[Any] = field(default_factory=list)  # scheduled rows; for test heads only, never device heads
@@ -182,16 +182,16 @@ class DraftHead(nn.Module):
         """Positions, cache slots and attention layout of chain steps 1..D-1 (the worker computes the positions
         and slots of all steps at once, ``kernels.draft_inputs``): step k writes at last_pos + k."""
         pos_t, slot_t = x.chain  # [K, B]: one contiguous row per step
-        return [(pos_t[k], slot_t[k], _one_query_layout(x, pos_t[k], slot_t[k])) for k in range(x.num_drafts - 1)]
+        return [(pos_t[k], slot_t[k], _one_query_layout(x, pos_t[k], slot_t[k])) for k in range(x.draft_len - 1)]
 
     def propose(self, x: DraftInputs, kv: list, out: torch.Tensor | None = None) -> torch.Tensor:
         """Returns drafts [B, D] (target ids) in ``out`` [B, D] (the step's result columns), or in a new tensor:
         on the GPU each draft step's argmax writes its column (no stacking kernel), elsewhere it is copied in."""
         last = self.step0(x, kv)  # [B, H]
         if out is None:  # [B, D] with contiguous columns, as the step's result has them
-            out = torch.empty(x.num_drafts, last.shape[0], dtype=torch.int64, device=last.device).t()
+            out = torch.empty(x.draft_len, last.shape[0], dtype=torch.int64, device=last.device).t()
         steps = self.chain_layout(x)
-        for k in range(x.num_drafts):
+        for k in range(x.draft_len):
             if k:
                 pos, slot, meta = steps[k - 1]
                 last = self.run_module(k, tok, pos, last, meta, kv[self.kv_layer(k)])
@@ -359,7 +359,7 @@ class MTPHead(DraftHead):
         rows = torch.arange(ext.shape[0], device=ext.device)
         h = x.hidden
         drafts = []
-        for k in range(x.num_drafts):
+        for k in range(x.draft_len):
             ids = ext[x.row_of_token, x.col_of_token + k + 1]
             out = self.run_module(k, ids, x.positions, h, x.meta, kv[k])  # [T, H]
             tok = self.draft_ids(k, out[x.last_idx])

@@ -104,7 +104,7 @@ class Drafter:
             ids_ext=s["ext"], row_of_token=spec.row_of_token, col_of_token=spec.col_of_token,
             positions=batch.positions, meta=meta, hidden=hidden, aux=aux, last_idx=s["last_idx"],
             last_col=s["last_col"], last_pos=s["last_pos"], block_tables=meta.block_tables, draft_ok=ok,
-            block_size=self.block_size, num_drafts=self.draft_len, host_rows=spec.host_rows,
+            block_size=self.block_size, draft_len=self.draft_len, host_rows=spec.host_rows,
             step0_ids=s["ids0"], chain=(s["chain_pos"], s["chain_slot"]))
         return self.head.propose(x, self.head_kv, out=out)
 
@@ -117,7 +117,8 @@ class Speculator:
         d = spec.max_draft_len
         self.spec = spec
         self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
-        self.lookahead_slots = max(0, d - 1)  # positions past a row's tokens the draft loop writes
+        self.verify_len = spec.verify_len  # tokens a generation row verifies: its last token and D drafts
+        self.lookahead_slots = spec.lookahead_slots  # positions past a row's tokens the draft loop writes
         self.aux_layers = head.aux_layers  # target layers whose output stream the head reads
         self.head = head
         self.verifier = Verifier(spec, thinking_tokens)
