@@ -7,15 +7,12 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from tiny_models import PROMPTS, make_head, make_hf_model
+from tiny_models import PROMPTS, target_with_eagle3
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("async")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
-    return root
+    return target_with_eagle3(tmp_path_factory.mktemp("async"))
 
 
 SPECS = {"no-spec": None, "eagle3-d3": dict(method="eagle3", draft_model="eagle3", max_draft_len=3)}

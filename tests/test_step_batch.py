@@ -12,15 +12,12 @@ from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.kernels.step_inputs import expand_record_ref
 from specserve.runner.graph_inputs import row_fields
 from specserve.runner.step_batch import ArrayPack
-from tiny_models import PROMPTS, make_head, make_hf_model
+from tiny_models import PROMPTS, target_with_eagle3
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step_batch")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
-    return root
+    return target_with_eagle3(tmp_path_factory.mktemp("step_batch"))
 
 
 def test_array_pack_lays_named_arrays_one_after_another():

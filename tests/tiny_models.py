@@ -197,3 +197,10 @@ def make_train_dirs(root: Path) -> Path:
     make_head(root / "eagle3", root / "target", "eagle3", seed=1, own_head=False)
     make_head(root / "mtp", root / "target", "mtp", num_modules=1, seed=2)
     return root
+
+
+def target_with_eagle3(root: Path, num_hidden_layers: int = 2) -> Path:
+    """A tiny Llama target in ``root/target`` and an EAGLE-3 head over its lm_head in ``root/eagle3``."""
+    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=num_hidden_layers)
+    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    return root
