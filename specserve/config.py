@@ -291,11 +291,13 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=self.max_model_len,
                                 num_lookahead_slots=spec.lookahead_slots if spec is not None else 0)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.async_output is not None and not isinstance(self.async_output, bool):
             raise ValueError(f"async_output must be True, False or None, got {self.async_output!r}")
         return EngineConfig(model=self.model, device=device, dtype=dtype, cache_config=cache,
                             scheduler_config=sched, speculative_config=spec, attention_backend=self.attention_backend,
-                            enforce_eager=bool(self.enforce_eager),
+                            enforce_eager=self.enforce_eager,
                             async_output=device.type == "cuda" if self.async_output is None else self.async_output,
                             max_cuda_graph_batch_size=self.max_cuda_graph_batch_size)
 

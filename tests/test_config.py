@@ -42,6 +42,7 @@ def model_config(**over) -> ModelConfig:
     (dict(attention_backend="flash"), "attention_backend"),
     (dict(max_cuda_graph_batch_size=-1), "max_cuda_graph_batch_size"),
     (dict(async_output="yes"), "async_output"),
+    (dict(enforce_eager="no"), "enforce_eager"),
     (dict(dtype="int8"), "dtype"),
     (dict(speculative_config=dict(SPEC, max_draft_len=0)), "max_draft_len"),
     (dict(speculative_config=dict(SPEC, max_draft_len=17)), "max_draft_len"),

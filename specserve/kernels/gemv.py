@@ -66,7 +66,8 @@ class Prologue(enum.IntEnum):
 NONE, NORM, ADD_NORM, SILU_MUL = Prologue.NONE, Prologue.NORM, Prologue.ADD_NORM, Prologue.SILU_MUL
 SILU_MUL_RSTD, ATTN_MERGE = Prologue.SILU_MUL_RSTD, Prologue.ATTN_MERGE
 # The attention step leaves its splits unmerged for the o projection's ATTN_MERGE prologue where
-# ``merges_splits`` (tests set this False to run the merge kernel instead)
+# ``merges_splits``; the attention reads it through ``models.llama.MERGE_FOLD``, which the engine check sets False
+# to run the merge kernel instead
 MERGE_FOLD = True
 MERGE_MAX_SPLITS = 8  # every program merges every split (tables up to 2,048 keys); longer ones: the merge kernel
 # Several-row steps take this many times the features per program ``block_n``'s fitted rules give: with

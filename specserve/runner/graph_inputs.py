@@ -65,10 +65,10 @@ def row_fields(sched, rows: int, q: int, block_size: int, lookahead: int) -> tup
 
 
 def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, list], tables: list[list[int]],
-                 floats: dict[str, list[float]], upload: bool = True) -> Record:
+                 floats: dict[str, list[float]]) -> Record:
     """Write the fields into ``staging`` (one assignment for the integers, the block tables [B, M] filled with
-    the pad block and each scheduled row's ids written over it, one assignment for the floats) and upload them
-    in one copy (``upload=False``: the graph step makes that copy itself). The tables are ``M`` wide (the
+    the pad block and each scheduled row's ids written over it, one assignment for the floats); the graph step
+    copies it to the device itself (its upload is captured with it). The tables are ``M`` wide (the
     longest row's context rounded up to a power of two), B * M entries: as padded Python lists they cost more
     than the rest of the record at large batches."""
     n_list = sum(len(v) for v in ints.values())
@@ -82,17 +82,14 @@ def stage_record(staging, sched, rows: int, q: int, width: int, ints: dict[str, 
         tab[i * width:i * width + len(blocks)] = blocks
     if n_float:
         buf[n_int:n_int + n_float].view(np.float64)[:] = list(chain.from_iterable(floats.values()))
-    if upload:
-        staging.upload(n_int + n_float)
-    else:
-        staging.upload_deferred()
+    staging.upload_deferred()
     fields = _offsets(ints, 0)
     fields["tables"] = (n_list, rows * width)
     return Record(rows, q, width, fields, _offsets(floats, n_int), n_int + n_float, [s.request for s in sched])
 
 
 def restage_record(staging, rec: Record, ints: dict[str, list[int]], tables: list[list[int]],
-                   previous: "RestageState | None", upload: bool = True) -> "RestageState":
+                   previous: "RestageState | None") -> "RestageState":
     """Rewrite the fields that change from step to step in a record staged by ``stage_record`` for the same
     rows, layout and parameters, the rest left where that wrote them (the caller checks that nothing else has
     written the buffer since: ``staging.version``): ``ints`` holds the fields to rewrite, each as long as before
@@ -112,10 +109,7 @@ def restage_record(staging, rec: Record, ints: dict[str, list[int]], tables: lis
             row = buf[o + i * w:o + (i + 1) * w]
             row[len(blocks):] = PAD_BLOCK
             row[:len(blocks)] = blocks
-    if upload:
-        staging.upload(rec.size)
-    else:
-        staging.upload_deferred()
+    staging.upload_deferred()
     return RestageState(index, tables)
 
 

@@ -47,7 +47,7 @@ class Launched:
 
 @dataclass(frozen=True)
 class GraphLayout:
-    """The fixed shape of a CUDA-graph step (see ``ModelRunner.prepare``)."""
+    """The fixed shape of a CUDA-graph step (``ModelRunner.graph_layout``)."""
 
     rows: int  # batch size, padded up to a captured size
     q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a one-row prefill's padded token count
@@ -166,7 +166,6 @@ class ModelRunner:
         # block-table entries past a row's tokens that a step may write (the draft loop's positions)
         self.table_lookahead = spec.lookahead_slots if spec is not None else 0
         self.generation_q = spec.verify_len if spec is not None else 1  # tokens per row of a generation step
-        self.aux_layers = spec.aux_layers if spec is not None else ()  # target layers the head reads
         max_len = max_model_len or model.config.max_position_embeddings
         # padding tokens sit at positions up to a layout's q - 1: they must stay inside the RoPE table
         self.max_graph_q = min(max_len, model.config.max_position_embeddings)
@@ -181,6 +180,11 @@ class ModelRunner:
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
         self._last_record: _LastRecord | None = None
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose output stream the draft head reads (none without speculation)."""
+        return self.speculator.aux_layers if self.speculator is not None else ()
 
     def _staging_buffers(self) -> list[Staging]:
         return [self._ints, self._floats]
@@ -284,11 +288,11 @@ class ModelRunner:
         if (last is not None and last.layout == layout and last.version == self._ints.version
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
             ints.update(self._restaged_params(sched, b, last.ints))
-            last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged, upload=False)
+            last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged)
             return last.record, last.switches
         floats: dict[str, list[float]] = {}
         switches = self._record_params(sched, b, ints, floats)
-        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats, upload=False)
+        rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats)
         self._last_record = _LastRecord(layout, reqs, self._ints.version, rec, switches, ints)
         return rec, switches
 

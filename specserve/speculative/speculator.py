@@ -119,10 +119,13 @@ class Speculator:
         self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
         self.verify_len = spec.verify_len  # tokens a generation row verifies: its last token and D drafts
         self.lookahead_slots = spec.lookahead_slots  # positions past a row's tokens the draft loop writes
-        self.aux_layers = head.aux_layers  # target layers whose output stream the head reads
-        self.head = head
         self.verifier = Verifier(spec, thinking_tokens)
         self.drafter = Drafter(head, head_kv, block_size, d, model.rope.cos_cache.shape[0] - 1)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose output stream the head reads."""
+        return self.drafter.head.aux_layers
 
     # -- host: what a step stages per row ---------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
