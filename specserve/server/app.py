@@ -1,47 +1,91 @@
 """OpenAI-compatible HTTP API on FastAPI: completions and chat completions (streaming or not), models,
-health and Prometheus metrics. Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
+health and Prometheus metrics. Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``,
+with a 4xx for anything the client got wrong (never a 500 or a dropped connection).
+
+What a request passes before it reaches the engine, in order: the Host check (a server bound to loopback
+answers only loopback names: a DNS-rebinding page cannot reach it), the API key on ``/v1/*``, the JSON
+Content-Type (a cross-origin page can POST ``text/plain`` without a preflight, not JSON), the body size and
+read time, the JSON parse (nesting depth bounded, no ``NaN``/``Infinity``), strict field types, the prompt's
+length in characters, then tokenization and chat templating on a thread pool (neither the event loop nor the
+engine thread waits on a large prompt)."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import hmac
 import json
 import logging
+import math
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.sampling_params import SamplingParams
-from specserve.server.async_engine import AsyncEngine, QueueFull, usage_of
+from specserve.server.async_engine import AsyncEngine, EngineFailed, QueueFull, ShuttingDown, usage_of
 from specserve.server.metrics import ServerMetrics
-
+from specserve.tokenizer import Tokenizer, chat_message
 
 log = logging.getLogger("specserve")
+access_log = logging.getLogger("specserve.access")
+
+
+@dataclass
+class ServerOptions:
+    """The server's limits and switches (``specserve serve`` flags of the same names; see README)."""
+
+    api_key: str | None = None  # required as ``Authorization: Bearer KEY`` on /v1/* when set
+    enable_docs: bool = False  # /docs, /redoc and /openapi.json
+    max_request_bytes: int = 4 << 20  # request bodies past this get 413
+    max_prompt_chars: int | None = None  # None: 32 characters per token of the context, at least 65,536
+    body_timeout: float = 30.0  # seconds to receive a request's body (408 past it)
+    request_timeout: float | None = 600.0  # seconds a request may run (504 / an SSE error past it); None: no limit
+    default_max_tokens: int | None = 4096  # chat completions without max_tokens; None: up to the context
+    max_max_tokens: int | None = None  # None: no cap beyond the context
+    loopback_hosts_only: bool = False  # Host header must name a loopback address (set when bound to loopback)
+    tokenizer_workers: int = 2
+    log_requests: bool = True
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.close = close  # the body was not read: end the connection after the reply
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        headers = {"connection": "close"} if self.close else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _NUM = (int, float)
+MAX_JSON_DEPTH = 32
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+ROLES = {"system", "developer", "user", "assistant"}  # "tool"/"function" messages need tools: unsupported
 
 
 def _field(body: dict, name: str, types, default=None):
-    """A request field of ``types``; absent or null: ``default``."""
+    """A request field of ``types`` (a bool is not a number, a number or string not a bool); absent or null:
+    ``default``. Floats must be finite."""
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, types) or (isinstance(v, bool) and types is not bool):
-        raise APIError(400, f"'{name}' has the wrong type ({type(v).__name__})", param=name)
+        want = {bool: "a boolean", int: "an integer", _NUM: "a number", list: "a list", dict: "an object",
+                str: "a string"}.get(types, "another type")
+        raise APIError(400, f"'{name}' must be {want}, got {type(v).__name__}", param=name)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise APIError(400, f"'{name}' must be finite", param=name)
     return v
 
 
@@ -50,13 +94,15 @@ def _field(body: dict, name: str, types, default=None):
 _UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "presence_penalty": (None, 0, 0.0),
                 "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False),
                 "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+                "functions": (None, []), "function_call": (None, "none", "auto"),
                 "response_format": (None, {"type": "text"}), "suffix": (None, "")}
 
 
-def sampling_params(body: dict, chat: bool = False) -> SamplingParams:
+def sampling_params(body: dict, chat: bool = False, opts: ServerOptions | None = None) -> SamplingParams:
     """OpenAI request fields (and specserve's extensions) -> SamplingParams; 400 on bad values. Without a
-    token limit a chat completion runs up to the context length and a completion stops at 16 (OpenAI's
-    defaults)."""
+    token limit a completion stops at 16 tokens (OpenAI's default) and a chat completion at
+    ``default_max_tokens`` (4,096 unless set; never past the context)."""
+    opts = opts or ServerOptions()
     n = _field(body, "n", int, 1)
     if n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
@@ -64,19 +110,31 @@ def sampling_params(body: dict, chat: bool = False) -> SamplingParams:
         if name in body and body[name] not in off:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
     max_tokens = _field(body, "max_completion_tokens", int)
+    name = "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, None if chat else 16)
+        max_tokens, name = _field(body, "max_tokens", int, None), "max_tokens"
+    if max_tokens is None:
+        max_tokens = opts.default_max_tokens if chat else 16
+    elif opts.max_max_tokens is not None and max_tokens > opts.max_max_tokens:
+        raise APIError(400, f"'{name}' is {max_tokens}; this server allows at most {opts.max_max_tokens}",
+                       param=name)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and
                                                           all(isinstance(s, str) for s in stop))):
         raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+    temperature = float(_field(body, "temperature", _NUM, 1.0))
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise APIError(400, f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}",
+                       param="temperature")
+    stop_ids = _field(body, "stop_token_ids", list, [])
+    if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_ids):
+        raise APIError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
     try:
         return SamplingParams(
-            temperature=float(_field(body, "temperature", _NUM, 1.0)), top_p=float(_field(body, "top_p", _NUM, 1.0)),
+            temperature=temperature, top_p=float(_field(body, "top_p", _NUM, 1.0)),
             top_k=_field(body, "top_k", int, -1), min_p=float(_field(body, "min_p", _NUM, 0.0)),
             seed=_field(body, "seed", int), max_tokens=max_tokens, stop=stop,
-            stop_token_ids=_field(body, "stop_token_ids", list, []) or [],
-            ignore_eos=bool(body.get("ignore_eos", False)),
+            stop_token_ids=stop_ids, ignore_eos=_field(body, "ignore_eos", bool, False),
             relaxed_acceptance=_field(body, "relaxed_acceptance", bool),
             relaxed_topk=_field(body, "relaxed_topk", int), relaxed_delta=_field(body, "relaxed_delta", _NUM),
         )
@@ -84,37 +142,197 @@ def sampling_params(body: dict, chat: bool = False) -> SamplingParams:
         raise APIError(400, str(e)) from None
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    app = FastAPI(title="specserve")
-    metrics = ServerMetrics(engine.engine)
-    tokenizer = engine.engine.tokenizer
+def _json_depth_ok(obj, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return False
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
 
-    @app.exception_handler(APIError)
-    async def _api_error(_req, e: APIError):
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body -> a JSON object; APIError 400 for bad JSON, NaN/Infinity, nesting past
+    MAX_JSON_DEPTH (the parser's own recursion limit included) or a non-object."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        body = None
+        ok = False
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
+    else:
+        ok = _json_depth_ok(body, MAX_JSON_DEPTH)
+    if not ok:
+        raise APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def check_messages(msgs) -> int:
+    """The chat messages' shape and roles (400 otherwise); returns their characters of content."""
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    chars = 0
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be a {{role, content}} object", param="messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}]: unknown role {str(role)[:40]!r} (one of {', '.join(sorted(ROLES))})",
+                           param="messages")
+        for key in ("tool_calls", "function_call"):
+            if m.get(key):
+                raise APIError(400, f"messages[{i}]: '{key}' is not supported by this server", param="messages")
+        try:
+            chars += len(chat_message(m)["content"])
+        except ValueError as e:
+            raise APIError(400, f"messages[{i}]: {str(e)[:300]}", param="messages") from None
+    return chars
+
+
+class _Tokenizers:
+    """Tokenization and chat templating on a thread pool, each worker with its own copy of the tokenizer
+    (a fast tokenizer is not safe to call from several threads at once)."""
+
+    def __init__(self, tokenizer: Tokenizer, workers: int) -> None:
+        self.base = tokenizer
+        self.local = threading.local()
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="specserve-tok")
+
+    def _tok(self) -> Tokenizer:
+        tok = getattr(self.local, "tok", None)
+        if tok is None:
+            tok = self.local.tok = Tokenizer(copy.deepcopy(self.base.hf))
+        return tok
+
+    async def run(self, fn_name: str, arg):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, lambda: getattr(self._tok(), fn_name)(arg))
+
+
+class _Guard:
+    """Pure ASGI middleware: Host check, API key on /v1/*, and the response status for the access log."""
+
+    def __init__(self, app, opts: ServerOptions) -> None:
+        self.app, self.opts = app, opts
+        self.key = opts.api_key.encode() if opts.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        err = None
+        if self.opts.loopback_hosts_only:
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[:host.find("]") + 1]
+            if name not in ("localhost", "127.0.0.1", "[::1]"):
+                err = APIError(403, "this server is bound to a loopback address and answers only loopback host "
+                                    "names", code="forbidden_host", close=True)
+        if err is None and self.key is not None and scope["path"].startswith("/v1/"):
+            auth = headers.get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
+        if err is not None:
+            _log_access(self.opts, scope, err.status, err.code)
+            return await err.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _log_access(opts: ServerOptions, scope, status: int, detail: str | None = None, out=None) -> None:
+    if not opts.log_requests:
+        return
+    client = (scope.get("client") or ("-",))[0]
+    line = f'{client} "{scope.get("method")} {scope.get("path")}" {status}'
+    if out is not None:
+        t = out.timings()
+        line += f" prompt={len(out.prompt_token_ids)} completion={len(out.token_ids)} finish={out.finish_reason}"
+        if t.get("ttft_s") is not None:
+            line += f" ttft={t['ttft_s']:.3f}s"
+        if t.get("e2e_s") is not None:
+            line += f" e2e={t['e2e_s']:.3f}s"
+        if out.spec is not None and out.spec.acceptance_length:
+            line += f" al={out.spec.acceptance_length:.2f}"
+    if detail:
+        line += f" {detail}"
+    access_log.info(line)
+
+
+def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None = None) -> FastAPI:
+    opts = opts or ServerOptions()
+    docs = opts.enable_docs
+    app = FastAPI(title="specserve", docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
+    metrics = ServerMetrics(engine.engine)
+    tokenizers = _Tokenizers(engine.engine.tokenizer, opts.tokenizer_workers)
+    max_len = engine.engine.max_model_len
+    max_chars = opts.max_prompt_chars if opts.max_prompt_chars is not None else max(65536, 32 * max_len)
+    app.state.tokenizers = tokenizers
+    app.add_middleware(_Guard, opts=opts)
+
+    def _error(req: Request, e: APIError) -> Response:
         metrics.rejected.labels(e.code or str(e.status)).inc()
+        _log_access(opts, req.scope, e.status, e.code)
         return e.response()
 
+    @app.exception_handler(APIError)
+    async def _api_error(req, e: APIError):
+        return _error(req, e)
+
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_req, e: StarletteHTTPException):  # unknown routes and methods, in OpenAI's body
-        return await _api_error(_req, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+    async def _http_error(req, e: StarletteHTTPException):  # unknown routes and methods, in OpenAI's body
+        return _error(req, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_req, e: Exception):  # Starlette logs the traceback
-        return await _api_error(_req, APIError(500, f"internal error: {type(e).__name__}: {e}",
-                                               code="internal_error", kind="server_error"))
+    async def _internal_error(req, e: Exception):  # Starlette logs the traceback
+        return _error(req, APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
+                                    kind="server_error"))
+
+    async def _read(request: Request) -> bytes:
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > opts.max_request_bytes):
+            raise APIError(413, f"request body is larger than {opts.max_request_bytes} bytes",
+                           code="request_too_large", close=True)
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > opts.max_request_bytes:
+                raise APIError(413, f"request body is larger than {opts.max_request_bytes} bytes",
+                               code="request_too_large", close=True)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _body(request: Request) -> dict:
+        if engine.closing:
+            raise APIError(503, "the server is shutting down", code="server_shutting_down", kind="server_error")
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                           code="unsupported_media_type", close=True)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
+            raw = await asyncio.wait_for(_read(request), opts.body_timeout)
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {opts.body_timeout:g} s",
+                           code="request_timeout", close=True) from None
+        body = parse_json(raw)
         model = body.get("model")
         if model is not None and model != model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+            raise APIError(404, f"the model '{str(model)[:100]}' does not exist; this server serves '{model_name}'",
                            param="model", code="model_not_found")
         return body
+
+    def _too_long(chars: int) -> APIError:
+        return APIError(400, f"prompt has {chars} characters; this server takes at most {max_chars} "
+                             f"(the context is {max_len} tokens)", param="prompt", code="context_length_exceeded")
 
     @app.get("/health")
     async def health():
@@ -135,37 +353,73 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise APIError(400, "prompt token ids must be non-negative", param="prompt")
+            if len(prompt) >= max_len:
+                raise APIError(400, f"prompt has {len(prompt)} tokens but the context is {max_len} "
+                                    "(max_model_len)", param="prompt", code="context_length_exceeded")
+            ids = prompt
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", param="prompt")
+            if len(prompt) > max_chars:
+                raise _too_long(len(prompt))
+            params = sampling_params(body, False, opts)  # bad fields answered before the tokenizer's work
+            return await _serve(request, body, await tokenizers.run("encode", prompt), chat=False, params=params)
+        else:
             raise APIError(400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt")
-        return await _serve(request, body, prompt, chat=False)
+        return await _serve(request, body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _body(request)
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        try:  # each message checked, and text content parts joined, there (tokenizer.chat_message)
-            prompt = tokenizer.apply_chat_template(msgs)
+        chars = check_messages(msgs)
+        if chars > max_chars:
+            raise _too_long(chars)
+        params = sampling_params(body, True, opts)
+        msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in msgs]
+        try:  # text content parts joined there (tokenizer.chat_message)
+            prompt = await tokenizers.run("apply_chat_template", msgs)
         except Exception as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return await _serve(request, body, prompt, chat=True)
+            raise APIError(400, f"cannot apply the chat template: {str(e)[:300]}", param="messages") from None
+        return await _serve(request, body, prompt, chat=True, params=params)
 
-    async def _serve(request: Request, body: dict, prompt, chat: bool):
-        params = sampling_params(body, chat)
-        stream = bool(body.get("stream", False))
+    async def _serve(request: Request, body: dict, prompt: list[int], chat: bool, params=None):
+        params = params or sampling_params(body, chat, opts)
+        stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
-        include_usage = bool(options.get("include_usage", False))
+        include_usage = _field(options, "include_usage", bool, False)
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
+        loop = asyncio.get_running_loop()
+        deadline = None if not opts.request_timeout else loop.time() + opts.request_timeout
         gen = engine.generate(prompt, params)
-        try:
-            first = await gen.__anext__()
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full", kind="rate_limit_error") from None
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+
+        def failure(e: BaseException) -> APIError:
+            if isinstance(e, QueueFull):
+                return APIError(429, str(e), code="queue_full", kind="rate_limit_error")
+            if isinstance(e, ValueError):
+                return APIError(400, str(e), param="prompt" if "prompt" in str(e) else None)
+            if isinstance(e, ShuttingDown):
+                return APIError(503, str(e), code="server_shutting_down", kind="server_error")
+            if isinstance(e, TimeoutError):
+                return APIError(504, f"the request ran past the server's limit of {opts.request_timeout:g} s",
+                                code="request_timeout", kind="server_error")
+            if isinstance(e, EngineFailed):
+                return APIError(500, str(e), code="engine_error", kind="server_error")
+            return APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
+                            kind="server_error")
+
+        async def next_out():
+            if deadline is None:
+                return await gen.__anext__()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(gen.__anext__(), remaining)  # a timeout aborts the request
 
         def choice(out, delta: bool, first_chunk: bool = False):
             text = out.delta_text if delta else out.text
@@ -180,26 +434,43 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
         if not stream:
             async def collect():
-                out = first
+                out = await next_out()
                 while not out.finished:
-                    out = await gen.__anext__()
+                    out = await next_out()
                 return out
 
             task = asyncio.ensure_future(collect())
-            while not task.done():  # a client that hangs up aborts its request (and frees its blocks)
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
+            try:
+                while not task.done():  # a client that hangs up aborts its request (and frees its blocks)
+                    await asyncio.wait({task}, timeout=0.25)
+                    if not task.done() and await request.is_disconnected():
+                        task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)  # the generator has closed itself
+                        _log_access(opts, request.scope, 499, "client disconnected")
+                        return Response(status_code=499)
+            finally:
+                if not task.done():  # this handler was cancelled (shutdown past uvicorn's own timeout)
                     task.cancel()
-                    await gen.aclose()
-                    return Response(status_code=499)
+                await asyncio.gather(task, return_exceptions=True)
+                await gen.aclose()
+            if task.exception() is not None:
+                raise failure(task.exception())
             out = task.result()
             metrics.observe_finished(out)
+            _log_access(opts, request.scope, 200, out=out)
             return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": [choice(out, False)],
                     "usage": usage_of(out)}
+
+        try:  # the first output before the status line: a refused request gets its 4xx
+            first = await next_out()
+        except Exception as e:
+            await gen.aclose()
+            raise failure(e) from None
 
         async def sse():
             out = first
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            status, detail = 200, None
             try:
                 first_chunk = True
                 while True:
@@ -211,19 +482,24 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                     yield f"data: {json.dumps(payload)}\n\n"
                     if out.finished:
                         break
-                    out = await gen.__anext__()
+                    out = await next_out()
                 metrics.observe_finished(out)
                 if include_usage:
                     yield f"data: {json.dumps({'id': cid, 'object': chunk_obj, 'created': created, 'model': model_name, 'choices': [], 'usage': usage_of(out)})}\n\n"
                 yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:  # the client went away (or uvicorn gave up on the drain)
+                status, detail = 499, "client disconnected"
+                raise
             except Exception as e:  # the status line is sent already: the error goes in the stream, then its end
-                log.exception("stream failed")
-                err = {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error",
-                       "param": None, "code": "internal_error"}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                err = failure(e)
+                if err.status >= 500 and not isinstance(e, (ShuttingDown, TimeoutError)):
+                    log.error("stream failed: %s", err.message)
+                status, detail = err.status, err.code
+                yield f"data: {json.dumps(err.body())}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 await gen.aclose()  # a client that went away aborts its request and frees its blocks
+                _log_access(opts, request.scope, status, detail, out=out if status == 200 else None)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 

@@ -21,6 +21,14 @@ class QueueFull(Exception):
     """More requests are waiting than the server accepts."""
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down: the request was ended (after the drain grace) or not admitted."""
+
+
+class EngineFailed(Exception):
+    """An engine step failed; every request in flight is ended with this error."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -40,13 +48,21 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._pending = 0  # submitted but not finished
         self._lock = threading.Lock()
+        self.closing = False  # set when the drain begins: new requests are refused
+        # totals for the periodic throughput log (written by the engine thread only)
+        self.prompt_tokens_total = 0
+        self.generated_tokens_total = 0
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()
 
     # --- called from the event loop ------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams):
         """Async iterator of ``RequestOutput`` for one request; raises ValueError for bad input and
-        QueueFull when too many requests wait. Cancelling the iteration aborts the request."""
+        QueueFull when too many requests wait, ShuttingDown while draining. Cancelling the iteration aborts
+        the request. ``prompt`` is best given as token ids (tokenized off the event loop and off the engine
+        thread, by the caller): a string is tokenized on the engine thread, stalling every stream."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
         with self._lock:
             if self._pending >= self.max_queue:
                 raise QueueFull(f"{self._pending} requests in flight; the server admits {self.max_queue}")
@@ -68,6 +84,10 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._commands.put(("abort", rid))
+
+    def abort_all(self, error: Exception) -> None:
+        """End every request in flight with ``error`` (the end of a shutdown's drain)."""
+        self._commands.put(("abort_all", error))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -93,17 +113,18 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     for rid in list(self._streams):
                         eng.abort_request(rid)
-                        self._finish(rid, RuntimeError(f"engine error: {e}"))
+                        self._finish(rid, EngineFailed(f"engine error: {type(e).__name__}: {e}"))
                     continue
                 for out in outs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
+                        self.generated_tokens_total += len(out.delta_token_ids)
                         stream.put(out)
                         if out.finished:
                             self._finish(out.request_id)
         for rid in list(self._streams):  # shutting down: cancel what is left
             eng.abort_request(rid)
-            self._finish(rid, RuntimeError("server shutting down"))
+            self._finish(rid, ShuttingDown("the server is shutting down"))
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
@@ -116,6 +137,11 @@ class AsyncEngine:
                 stream.put(e)
                 return
             self._streams[rid] = stream
+            self.prompt_tokens_total += len(prompt) if not isinstance(prompt, str) else 0
+        elif kind == "abort_all":
+            for rid in list(self._streams):
+                self.engine.abort_request(rid)
+                self._finish(rid, cmd[1])
         elif kind == "abort":
             rid = cmd[1]
             if rid in self._streams:
