@@ -121,10 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="model to serve, as `vllm serve MODEL` (the same as --model)")
     _add_engine_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model's name)")
-    sv.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
+    from specserve.server.serve import add_server_args
+
+    add_server_args(sv)  # --host, --port, limits, --api-key, --disable-log-requests, ... (server/serve.py)
     sv.add_argument("-v", "--verbose", action="store_true")
 
     _train_parser(sub)
@@ -361,37 +360,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import contextlib
-
-    import uvicorn
-
     from specserve import LLMEngine
-    from specserve.server.app import build_app
-    from specserve.server.async_engine import AsyncEngine
+    from specserve.server.serve import run
 
     if a.model_tag is not None:
         if a.model is not None and a.model != a.model_tag:
             print(f"specserve: error: two models given: {a.model_tag} and --model {a.model}", file=sys.stderr)
             return 2
         a.model = a.model_tag
-    try:
+
+    def load():  # after the server's flags are checked
         engine = LLMEngine(engine_args(a))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"specserve: error: {e}", file=sys.stderr)
-        return 2
-    name = a.served_model_name or engine.model_path.name.removesuffix(".gguf")
-    async_engine = AsyncEngine(engine, max_queue=a.max_queue)
-    app = build_app(async_engine, name)
+        return engine, a.served_model_name or engine.model_path.name.removesuffix(".gguf")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        yield
-        async_engine.shutdown()  # after uvicorn has drained in-flight requests (SIGTERM/SIGINT)
-
-    app.router.lifespan_context = lifespan
-    print(f"specserve: serving {name} on http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning", timeout_graceful_shutdown=30)
-    return 0
+    return run(a, load)
 
 
 def train_config(a: argparse.Namespace):
