@@ -9,7 +9,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import sys
 import time
