@@ -138,10 +138,11 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end of generation: release held-back text, incomplete characters included."""
+        """At the end of generation: release held-back text, but not an incomplete UTF-8 sequence at its very end
+        (a reply cut by max_tokens mid-character would end in U+FFFD, which is not text the model wrote)."""
         full = self.tok.decode(self.ids[self.prefix:], self.skip)
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
-        piece = full[len(prefix_text):]
+        piece = full[len(prefix_text):].rstrip("\ufffd")
         self.prefix = self.read = len(self.ids)
         self.text += piece
         return piece
