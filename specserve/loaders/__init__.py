@@ -52,6 +52,19 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def is_default_model(model: str | os.PathLike | None) -> bool:
+    """Whether ``model`` names the embedded default model, however it is spelled: None, "default", its name, or a
+    path to its GGUF file (so the shipped heads go with it)."""
+    if model is None or str(model) in ("", "default", DEFAULT_MODEL):
+        return True
+    if is_random_ref(model):
+        return False
+    try:
+        return Path(model).expanduser().resolve() == default_model_path().resolve()
+    except (ValueError, OSError):
+        return False
+
+
 def load_config(model: str | os.PathLike | None) -> ModelConfig:
     """The model's config alone (no weights, no tokenizer)."""
     if is_random_ref(model):

@@ -121,6 +121,46 @@ def _read(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads(cfg_path.read_text()), dict(iter_safetensors(folder))
 
 
+def check_head_folder(draft_model: str) -> Path:
+    """A head folder that exists and has a config.json (checked before any weights load) -> its path."""
+    folder = Path(draft_model).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"draft head {draft_model!r} (--draft) is not a folder (config.json + *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder}: no config.json in the draft head folder (--draft)")
+    return folder
+
+
+def head_kind(draft_model: str) -> str | None:
+    """The method a head folder's layout says it is ("eagle3" or "mtp"; None when it says nothing or is not a
+    head folder): its config.json (``num_nextn_predict_layers`` / ``model_type: mtp`` / an MTP architecture, or
+    ``eagle_config`` / ``draft_vocab_size`` / an Eagle architecture), else its tensor names (``model.layers.<i>.
+    enorm|hnorm|eh_proj``, or ``fc.weight`` / ``midlayer.*``), read from the safetensors headers only."""
+    folder = Path(draft_model).expanduser()
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    archs = " ".join(str(a) for a in raw.get("architectures") or []).lower()
+    if "num_nextn_predict_layers" in raw or raw.get("model_type") == "mtp" or "mtp" in archs:
+        return "mtp"
+    if "eagle_config" in raw or "draft_vocab_size" in raw or "eagle" in archs:
+        return "eagle3"
+    from safetensors import safe_open
+
+    from specserve.loaders.hf import safetensors_files
+
+    try:
+        names = [n for f in safetensors_files(folder) for n in safe_open(str(f), framework="pt").keys()]
+    except (OSError, ValueError):
+        return None
+    if any(re.match(r"model\.layers\.\d+\.(enorm|hnorm|eh_proj)\.", n) for n in names):
+        return "mtp"
+    if any(n == "fc.weight" or n.startswith("midlayer.") for n in names):
+        return "eagle3"
+    return None
+
+
 def load_draft_head(spec: SpeculativeConfig, target_model, device, dtype) -> DraftHead:
     """Build the head named by ``spec`` for ``target_model`` (a LlamaForCausalLM) on ``device``."""
     if spec.draft_model is None:

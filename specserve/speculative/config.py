@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+log = logging.getLogger("specserve")
 
 METHODS = ("eagle3", "mtp")
 MAX_DRAFT_LEN = 16  # longest draft chain a step may propose (the draft loop is unrolled up to it)
@@ -14,7 +17,9 @@ class SpeculativeConfig:
 
     Fields:
       method: ``"eagle3"`` (an EAGLE-3 head on three target layers) or ``"mtp"`` (DeepSeek-style
-        multi-token-prediction modules on the target's final hidden state).
+        multi-token-prediction modules on the target's final hidden state). None (the default): what the
+        head folder's config.json or tensor names say it is (``checkpoint.head_kind``), else ``"eagle3"``;
+        a method given explicitly overrides the folder's (with a warning when they differ).
       draft_model: folder holding the head (config.json + *.safetensors in the EAGLE-3 or MTP layout).
       max_draft_len: D, drafts proposed per step (each step verifies D + 1 tokens).
       eagle3_layers_to_capture: target layers whose *outputs* (residual stream after the layer) feed an
@@ -38,7 +43,7 @@ class SpeculativeConfig:
     draft-length schedule; they become fields here.
     """
 
-    method: str = "eagle3"
+    method: str | None = None
     draft_model: str | None = None
     max_draft_len: int = 4
     eagle3_layers_to_capture: tuple[int, ...] | None = None
@@ -51,6 +56,16 @@ class SpeculativeConfig:
     end_thinking_phase_token: int | str | None = None
 
     def __post_init__(self) -> None:
+        found = None
+        if self.draft_model is not None and self.draft_model != "random":
+            from specserve.speculative.checkpoint import head_kind
+
+            found = head_kind(str(self.draft_model))
+        if self.method is None:
+            self.method = found or "eagle3"
+        elif found is not None and found != self.method:
+            log.warning("draft head %s is laid out as %s; method=%r overrides it", self.draft_model, found,
+                        self.method)
         if not isinstance(self.relaxed_topk, int) or self.relaxed_topk < 1:
             raise ValueError(f"relaxed_topk must be an integer >= 1, got {self.relaxed_topk!r}")
         if not 0.0 <= float(self.relaxed_delta) <= 1.0:
