@@ -166,7 +166,9 @@ class CacheConfig:
     ``kv_cache_memory_bytes`` fixes the pool size; otherwise on CUDA the engine may use
     ``gpu_memory_utilization`` of the GPU's total memory (vLLM's meaning and default), and the pool takes what
     is left of that after the weights and a reserve for activations (``kv_cache.plan_num_blocks``); on the CPU
-    it takes ``cpu_kv_cache_bytes`` (default 2 GiB).
+    it takes what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, at least one such sequence and
+    at most ``cpu_kv_cache_bytes`` (default 2 GiB) or an eighth of the memory available when the engine starts
+    (``kv_cache.cpu_kv_budget``; measured in docs/BENCHMARKS.md).
     """
 
     block_size: int = 16
@@ -277,6 +279,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
     # detokenize and report a step while the device runs the next one (``LLMEngine.step``); None: on CUDA
     async_output: bool | None = None
+    # torch intra-op threads on the CPU (process-wide); None: ``default_cpu_threads()``, measured in BENCHMARKS.md
+    cpu_threads: int | None = None
 
     def create_engine_config(self) -> "EngineConfig":
         """Validate every setting that does not need the model's weights (a bad value fails here, before a
@@ -288,6 +292,8 @@ class EngineArgs:
         spec = SpeculativeConfig.from_value(self.speculative_config)
         if spec is not None and spec.draft_model is None:
             raise ValueError("speculative decoding needs a draft_model folder (--draft PATH)")
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=self.max_model_len,
                                 num_lookahead_slots=spec.lookahead_slots if spec is not None else 0)
@@ -299,7 +305,17 @@ class EngineArgs:
                             scheduler_config=sched, speculative_config=spec, attention_backend=self.attention_backend,
                             enforce_eager=self.enforce_eager,
                             async_output=device.type == "cuda" if self.async_output is None else self.async_output,
-                            max_cuda_graph_batch_size=self.max_cuda_graph_batch_size)
+                            max_cuda_graph_batch_size=self.max_cuda_graph_batch_size,
+                            cpu_threads=(self.cpu_threads or default_cpu_threads()) if device.type == "cpu" else None)
+
+
+def default_cpu_threads() -> int:
+    """torch intra-op threads for a CPU engine: 1. Decoding runs a chain of small matmuls and paged-KV gathers per
+    token, too small to split; on this project's 2-core machine under load torch's default (2, one per core) decoded
+    the default model 4-16x slower than 1 thread and prefilled 1024 tokens 2-3x slower (docs/BENCHMARKS.md, "CPU
+    defaults"). ``cpu_threads`` / ``--cpu-threads`` overrides it (a large idle machine may prefill faster with more).
+    """
+    return 1
 
 
 @dataclass(frozen=True)
@@ -320,6 +336,7 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = 128
     model_config: ModelConfig | None = None  # set by ``with_model``
     num_kv_blocks: int | None = None  # KV pool size in blocks (block 0 is padding), set by ``with_model``
+    cpu_threads: int | None = None  # resolved torch intra-op threads (CPU engines; None on CUDA)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

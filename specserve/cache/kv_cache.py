@@ -73,10 +73,35 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 ACTIVATION_RESERVE = 2 << 30
 
 
-def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device, weight_bytes: int = 0) -> int:
+def cpu_kv_budget(cfg: CacheConfig, per_block: int, seq_blocks: int, max_num_seqs: int) -> int:
+    """Default KV bytes on the CPU: what ``max_num_seqs`` sequences of ``seq_blocks`` blocks each (max_model_len
+    plus speculation's slots) need, but at least one such sequence, and at most ``cfg.cpu_kv_cache_bytes`` or an
+    eighth of the memory available now (the pool is zeroed, so every byte of it is touched at start)."""
+    wanted = (max_num_seqs * seq_blocks + 1) * per_block
+    cap = cfg.cpu_kv_cache_bytes
+    available = _available_memory()
+    if available is not None:
+        cap = min(cap, available // 8)
+    return max(min(wanted, cap), (seq_blocks + 1) * per_block)
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device, weight_bytes: int = 0,
+                    seq_blocks: int = 0, max_num_seqs: int = 1) -> int:
     """Pool size from the cache config: an exact count, an explicit byte budget, or on CUDA vLLM's rule: the
     engine may use ``gpu_memory_utilization`` of the GPU's total memory, and its KV cache takes what is left of
-    that after its weights (``weight_bytes``: target and head) and ``ACTIVATION_RESERVE``; that must be free."""
+    that after its weights (``weight_bytes``: target and head) and ``ACTIVATION_RESERVE``; that must be free.
+    On the CPU: ``cpu_kv_budget`` (``seq_blocks``: the blocks one sequence of max_model_len tokens needs)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if cfg.kv_cache_memory_bytes is not None:
@@ -101,7 +126,7 @@ def plan_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device, weig
                 f"{total / gib:.1f} GiB, but only {(free + weight_bytes) / gib:.1f} GiB are free to it (other engines "
                 "or processes hold the rest): lower --gpu-memory-utilization or give --kv-cache-memory")
     else:
-        budget = cfg.cpu_kv_cache_bytes
+        budget = cpu_kv_budget(cfg, per_block, seq_blocks, max_num_seqs) if seq_blocks else cfg.cpu_kv_cache_bytes
     n = blocks_for_bytes(budget, per_block)
     if n < 2:
         raise ValueError(f"KV cache budget of {budget} bytes holds {n} blocks of {per_block} bytes; need at least 2")

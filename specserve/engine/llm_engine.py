@@ -5,15 +5,17 @@ from __future__ import annotations
 import itertools
 import logging
 
+import torch
+
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
-from specserve.config import EngineArgs, EngineConfig
+from specserve.config import EngineArgs, EngineConfig, cdiv
 from specserve.core.metrics import SpecStats
 from specserve.core.request import CompletionOutput, Request, RequestOutput
-from specserve.loaders import load_model
+from specserve.loaders import is_random_ref, load_model, resolve_model_path
 from specserve.runner.model_runner import ModelRunner
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
-from specserve.speculative.checkpoint import load_draft_head
+from specserve.speculative.checkpoint import check_head_folder, load_draft_head
 from specserve.speculative.speculator import Speculator
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -26,9 +28,16 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | EngineConfig) -> None:
         # everything below reads the validated config only
         config = args.create_engine_config() if isinstance(args, EngineArgs) else args
+        self.spec_config = config.speculative_config
+        # the files named exist (a typo fails now, not after the target's weights have loaded)
+        if not is_random_ref(config.model):
+            resolve_model_path(config.model)
+        if self.spec_config is not None and self.spec_config.draft_model != "random":
+            check_head_folder(self.spec_config.draft_model)
+        if config.cpu_threads is not None:  # process-wide; measured in docs/BENCHMARKS.md ("CPU defaults")
+            torch.set_num_threads(config.cpu_threads)
         self.device, self.dtype = config.device, config.dtype
         self.cache_config = config.cache_config
-        self.spec_config = config.speculative_config
         loaded = load_model(config.model, self.dtype, self.device)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
@@ -42,8 +51,11 @@ class LLMEngine:
         per_block = bytes_per_block(kv_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         # the head shares tensors with the target (RoPE tables, where bound, the embedding): count each once
         weights = {id(t): t for m in (self.model, self.head) if m is not None for t in (*m.parameters(), *m.buffers())}
+        max_len = config.scheduler_config.max_model_len or cfg.max_position_embeddings
         num_blocks = plan_num_blocks(self.cache_config, per_block, self.device,
-                                     sum(t.numel() * t.element_size() for t in weights.values()))
+                                     sum(t.numel() * t.element_size() for t in weights.values()),
+                                     seq_blocks=cdiv(max_len + config.kv_slots_past_len, block_size),
+                                     max_num_seqs=config.scheduler_config.max_num_seqs)
         self.config = config = config.with_model(cfg, num_blocks)  # fixes max_model_len
         self.kv_cache = KVCache(kv_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
