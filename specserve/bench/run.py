@@ -172,7 +172,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             _sync(dev)
             t0 = time.perf_counter()
             bar.set_postfix_str(f"batch {b}" + (f" run {r}/{cfg.repeats}" if r else " warm-up"))
-            outs = llm.generate(batch, sp)
+            outs = llm.generate(batch, sp, use_tqdm=False)
             _sync(dev)
             dt = time.perf_counter() - t0
             bar.update()

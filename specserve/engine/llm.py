@@ -43,12 +43,13 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         raise_on_error: bool = True,
     ) -> list[RequestOutput]:
         """Generate for one or many prompts (text, token ids, or ``{"prompt_token_ids": [...]}``).
 
-        All requests run together under continuous batching; results come back in prompt order.
+        All requests run together under continuous batching; results come back in prompt order. With
+        ``use_tqdm`` (the default, as vLLM's) several prompts show a progress bar on stderr; False turns it off.
         With ``raise_on_error=False`` a bad prompt yields an output with ``finish_reason='error'`` and
         ``error`` set while the others run; by default the ``ValueError`` is raised before anything runs.
         """
@@ -101,7 +102,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         raise_on_error: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``) or
@@ -145,7 +146,7 @@ class _NoBar:
 
 
 def _progress(total: int, enabled: bool):
-    if not enabled:
+    if not enabled or total < 2:  # one request: nothing to count
         return _NoBar()
     from tqdm import tqdm
 
