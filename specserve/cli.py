@@ -12,9 +12,22 @@ import time
 from pathlib import Path
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where there is none to show (None, an off switch) or the help
+    text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS
+                or isinstance(action, argparse._HelpAction)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's flags (vLLM's spellings); their defaults are ``EngineArgs``' and ``SpeculativeConfig``'s."""
-    from specserve.config import ATTENTION_BACKENDS, EngineArgs
+    from specserve.config import ATTENTION_BACKENDS, EngineArgs, default_cpu_threads
     from specserve.speculative.config import METHODS, SpeculativeConfig
 
     e, s = EngineArgs(), SpeculativeConfig()
@@ -29,7 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step; longer prompts are prefilled in chunks")
     g.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV-cache block (a power of two)")
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=int, default=e.kv_cache_memory_bytes,
-                   help="KV cache size in bytes")
+                   help="KV cache size in bytes (default: on CUDA what --gpu-memory-utilization leaves; on the CPU "
+                        "what --max-num-seqs sequences of --max-model-len tokens need, at most 2 GiB or an eighth "
+                        "of the available memory, at least one sequence)")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=e.num_kv_blocks,
                    help="exact number of KV blocks (overrides the budget)")
     g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
@@ -42,11 +57,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the device runs the next step)")
     g.add_argument("--attention-backend", default=e.attention_backend, choices=list(ATTENTION_BACKENDS),
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
+    g.add_argument("--cpu-threads", type=int, default=e.cpu_threads, metavar="N",
+                   help=f"torch intra-op threads on the CPU (default: {default_cpu_threads()}, measured in "
+                        "docs/BENCHMARKS.md: more threads decoded slower on a small, busy machine)")
     sp = p.add_argument_group("speculative decoding")
-    sp.add_argument("--draft", default=None,
-                    help="draft head folder (EAGLE-3 or MTP layout); the default model uses its shipped head")
-    sp.add_argument("--no-spec", action="store_true", help="turn speculative decoding off")
-    sp.add_argument("--method", default=s.method, choices=list(METHODS), help="draft head type")
+    one = sp.add_mutually_exclusive_group()
+    one.add_argument("--draft", default=None,
+                     help="draft head folder (EAGLE-3 or MTP layout); the default model uses its shipped head")
+    one.add_argument("--no-spec", action="store_true", help="turn speculative decoding off")
+    sp.add_argument("--method", default=None, choices=list(METHODS),
+                    help="draft head type (default: what the head's config.json says; the default model's shipped "
+                         "heads: eagle3, or mtp for its MTP-Eagle head)")
     sp.add_argument("--draft-len", type=int, default=s.max_draft_len,
                     help="D, drafts proposed per step (speculative_config max_draft_len)")
     sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
@@ -72,11 +93,23 @@ def engine_args(a: argparse.Namespace):
     the namespace's engine flags after this (``EngineArgs.create_engine_config`` validates)."""
     from specserve.config import EngineArgs
 
+    from specserve.loaders import is_default_model
+    from specserve.speculative.config import SpeculativeConfig
+
     draft = a.draft
-    if draft is None and a.model is None and not a.no_spec:  # the default model brings its own heads
+    if draft is None and not a.no_spec and is_default_model(a.model):  # the default model brings its own heads
         from specserve.heads import DEFAULT_HEADS
 
-        draft = str(DEFAULT_HEADS[a.method])
+        draft = str(DEFAULT_HEADS[a.method or "eagle3"])
+    if draft is None:  # speculation flags given where no head runs: said, not ignored
+        s = SpeculativeConfig()
+        given = [f for f, v, d in (("--method", a.method, None), ("--draft-len", a.draft_len, s.max_draft_len),
+                                   ("--mtp-eagle", a.mtp_eagle, None), ("--relaxed-acceptance", a.relaxed_acceptance,
+                                                                        False),
+                                   ("--forced-acceptance", a.forced_acceptance, None)) if v != d]
+        if given:
+            raise ValueError(f"{', '.join(given)} set but speculation is off ("
+                             + ("--no-spec" if a.no_spec else "this model has no shipped head: give --draft") + ")")
     spec = None
     if draft is not None and not a.no_spec:
         spec = dict(method=a.method, draft_model=draft, max_draft_len=a.draft_len,
@@ -91,33 +124,48 @@ def engine_args(a: argparse.Namespace):
                       block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory,
                       gpu_memory_utilization=a.gpu_memory_utilization, num_kv_blocks=a.num_kv_blocks,
                       speculative_config=spec, enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
-                      async_output=False if a.disable_async_output_proc else None)
+                      async_output=False if a.disable_async_output_proc else None, cpu_threads=a.cpu_threads)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with one-model speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate replies to prompts (chat template applied)")
-    gen.add_argument("prompts", nargs="+", help="prompts; '-' reads one prompt per line from stdin")
-    _add_engine_args(gen)
-    s = gen.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per prompt")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags of ``generate`` and ``chat`` (vLLM's spellings), and the chat template's."""
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate per reply")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--top-k", type=int, default=-1, help="-1: off")
     s.add_argument("--min-p", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--stop-token-ids", type=int, nargs="+", default=None,
                    help="token ids that end a request (put the prompts before this flag)")
     s.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--system", default=None, help="system message for the chat template")
-    gen.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    gen.add_argument("--stats", action="store_true", help="print speed and speculation statistics to stderr")
-    gen.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with one-model speculative decoding",
+                                     formatter_class=_HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate replies to prompts (chat template applied), streamed",
+                         formatter_class=_HelpFormatter)
+    gen.add_argument("prompts", nargs="+", help="prompts; '-' reads one prompt per line from stdin")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--no-chat-template", action="store_true", help="send prompts as raw text")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (at the end, not streamed)")
+    gen.add_argument("--stats", action="store_true", help="print speed and speculation statistics to stderr")
+
+    ch = sub.add_parser("chat", help="interactive multi-turn chat in the terminal (/reset, /stats, /exit)",
+                        formatter_class=_HelpFormatter,
+                        description="Chat with the model: replies stream as they are generated and the conversation "
+                                    "is kept as history. /reset forgets it, /stats shows speed and speculation "
+                                    "statistics, /exit or Ctrl-D quits; Ctrl-C stops a reply.")
+    _add_engine_args(ch)
+    _add_sampling_args(ch)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=_HelpFormatter)
     sv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="model to serve, as `vllm serve MODEL` (the same as --model)")
     _add_engine_args(sv)
@@ -138,7 +186,8 @@ def _train_parser(sub) -> None:
     from specserve.train.config import EXPORT_DTYPES, NO_FLAG, TrainConfig, field_defaults
 
     d = SimpleNamespace(**field_defaults())
-    tr = sub.add_parser("train-draft", help="train an EAGLE-3 or MTP-Eagle draft head for a target model")
+    tr = sub.add_parser("train-draft", help="train an EAGLE-3 or MTP-Eagle draft head for a target model",
+                        formatter_class=_HelpFormatter)
     tr.add_argument("--target", default=None, help="target model (HF folder or .gguf; default: the embedded model)")
     tr.add_argument("--method", required=True, choices=["eagle3", "mtp"])
     tr.add_argument("--prompts", nargs="+", default=[], help="prompt files (JSONL/JSON, .gz allowed)")
@@ -207,63 +256,311 @@ def _train_parser(sub) -> None:
         raise AssertionError(f"TrainConfig fields without a train-draft flag: {missing}")
 
 
-def cmd_generate(a: argparse.Namespace) -> int:
-    from specserve import LLM, SamplingParams
+# Python names in engine / sampling errors -> the flags that set them (names not listed: "--" + dashes)
+_FLAGS = {"max_draft_len": "--draft-len", "draft_model": "--draft", "kv_cache_memory_bytes": "--kv-cache-memory",
+          "num_blocks": "--num-kv-blocks", "use_relaxed_acceptance_for_thinking": "--relaxed-acceptance",
+          "begin_thinking_phase_token": "--begin-thinking-token", "end_thinking_phase_token": "--end-thinking-token",
+          "async_output": "--disable-async-output-proc", "max_num_seqs": "--max-num-seqs"}
 
+
+def cli_error(e: Exception) -> str:
+    """An engine / sampling ``ValueError`` in the CLI's words: flag names instead of Python names."""
+    import re
+
+    from specserve.config import EngineArgs
+    from specserve.sampling_params import SamplingParams
+    from specserve.speculative.config import SpeculativeConfig
+
+    names = {f.name for c in (EngineArgs, SpeculativeConfig, SamplingParams) for f in dataclasses.fields(c)}
+    names |= set(_FLAGS)
+    msg = str(e)
+    msg = re.sub(r" \(or None[^)]*\)", "", msg)  # the Python API's None has no flag
+    msg = re.sub(r"invalid sampling parameter (\w+)=", lambda m: f"invalid {m.group(1)} ", msg)
+
+    def flag(m):
+        name = m.group(1)
+        if name not in names or ("_" not in name and not m.group(2)):  # plain words ("model") stay words
+            return m.group(0)
+        return _FLAGS.get(name, "--" + name.replace("_", "-")) + (" " if m.group(2) else "")
+
+    msg = re.sub(r"(?<![-\w])([a-z][a-z0-9_]*)(=?)", flag, msg)
+    msg = re.sub(r"\(--(\w[\w-]*)\)", r"(--\1)", msg)
+    return msg
+
+
+def _fail(e: Exception | str) -> int:
+    print(f"specserve: error: {cli_error(e) if isinstance(e, Exception) else e}", file=sys.stderr)
+    return 2
+
+
+def sampling_params(a: argparse.Namespace):
+    """The sampling flags -> validated ``SamplingParams`` (before any model loads)."""
+    from specserve import SamplingParams
+
+    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=a.seed,
+                          max_tokens=a.max_tokens, stop=a.stop, stop_token_ids=a.stop_token_ids or [],
+                          ignore_eos=a.ignore_eos)
+
+
+def build_engine(a: argparse.Namespace, config):
+    """Load the engine for a validated config, saying so on stderr (loading takes seconds on a CPU)."""
+    from specserve import LLMEngine
+    from specserve.loaders import DEFAULT_MODEL, is_default_model, is_random_ref, resolve_model_path
+    from specserve.speculative.checkpoint import check_head_folder
+
+    if not is_random_ref(config.model):  # (the engine checks these too; here before saying "loading")
+        resolve_model_path(config.model)
+    spec = config.speculative_config
+    if spec is not None and spec.draft_model != "random":
+        check_head_folder(spec.draft_model)
+    name = DEFAULT_MODEL if is_default_model(config.model) else Path(str(config.model)).name
+    head = f" + {spec.method} head (D={spec.max_draft_len})" if spec is not None else ""
+    print(f"specserve: loading {name}{head} on {config.device} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    print(f"specserve: loaded in {time.perf_counter() - t0:.1f} s (context {engine.max_model_len} tokens, KV cache "
+          f"{engine.config.kv_capacity} tokens)", file=sys.stderr, flush=True)
+    return engine
+
+
+def _read_prompts(a: argparse.Namespace) -> list[str]:
     prompts: list[str] = []
     for p in a.prompts:
         prompts.extend(line.rstrip("\r\n") for line in sys.stdin if line.strip()) if p == "-" else prompts.append(p)
+    if not prompts:
+        raise ValueError("no prompts (stdin was empty)")
+    empty = [i + 1 for i, p in enumerate(prompts) if not p.strip()]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} of {len(prompts)} is empty")
+    return prompts
+
+
+def _chat_ids(tok, a: argparse.Namespace, messages: list[dict]) -> list[int]:
+    return tok.apply_chat_template(([{"role": "system", "content": a.system}] if a.system else []) + messages)
+
+
+def _stream(engine, rids: list[str | None], write, start=None, end=None) -> dict[str, object]:
+    """Run the engine until ``rids`` finish, writing each reply's text as it comes, in prompt order: the first
+    unfinished reply streams, later ones are held until it ends (``start(i)`` / ``end(i, out)`` around reply i).
+    Ctrl-C aborts what is left and re-raises. -> the final output of each request id."""
+    held: dict[str, list[str]] = {r: [] for r in rids if r is not None}
+    final: dict[str, object] = {}
+    order = [i for i, r in enumerate(rids) if r is not None]
+    cur = 0
+
+    def advance():
+        nonlocal cur
+        while cur < len(order) and rids[order[cur]] in final:
+            i = order[cur]
+            write("".join(held[rids[i]]))
+            if end:
+                end(i, final[rids[i]])
+            cur += 1
+            if cur < len(order):
+                if start:
+                    start(order[cur])
+                write("".join(held.pop(rids[order[cur]])))
+                held[rids[order[cur]]] = []
+
+    if order and start:
+        start(order[0])
     try:
-        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-                                seed=a.seed, max_tokens=a.max_tokens, stop=a.stop,
-                                stop_token_ids=a.stop_token_ids or [], ignore_eos=a.ignore_eos)
-        llm = LLM.from_engine_args(engine_args(a))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                rid = out.request_id
+                if rid not in held:
+                    continue
+                if cur < len(order) and rid == rids[order[cur]]:
+                    write(out.delta_text)
+                else:
+                    held[rid].append(out.delta_text)
+                if out.finished:
+                    final[rid] = out
+            advance()
+    except BaseException:
+        for r in held:
+            if r not in final:
+                engine.abort_request(r)
+        raise
+    return final
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    try:  # everything the flags alone can tell is checked before the model loads
+        prompts = _read_prompts(a)
+        params = sampling_params(a)
+        config = engine_args(a).create_engine_config()
     except (ValueError, FileNotFoundError) as e:
-        print(f"specserve: error: {e}", file=sys.stderr)
-        return 2
-    tok = llm.tokenizer
-    reqs: list = []
-    for p in prompts:
-        if a.no_chat_template or not tok.has_chat_template:
-            reqs.append(p)
-        elif not p:
-            reqs.append("")  # reported as an empty-prompt error below
-        else:
-            msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": p}]
-            reqs.append({"prompt_token_ids": tok.apply_chat_template(msgs)})
+        return _fail(e)
+    try:
+        engine = build_engine(a, config)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(e)
+    tok = engine.tokenizer
+    rids: list[str | None] = []
+    errors: dict[int, str] = {}
+    for i, p in enumerate(prompts):
+        req = p if a.no_chat_template or not tok.has_chat_template else _chat_ids(tok, a, [{"role": "user",
+                                                                                         "content": p}])
+        try:
+            rids.append(engine.add_request(req, params))
+        except ValueError as e:
+            rids.append(None)
+            errors[i] = cli_error(e)
+            print(f"specserve: error: prompt {i + 1} {p[:40]!r}: {errors[i]}", file=sys.stderr)
+    several = len(prompts) > 1
+    out = sys.stdout
+
+    def write(text: str) -> None:
+        if text and not a.json:
+            out.write(text)
+            out.flush()
+
+    def start(i: int) -> None:
+        if several and not a.json:
+            head = prompts[i] if len(prompts[i]) <= 60 else prompts[i][:57] + "..."
+            out.write(f"[{i + 1}/{len(prompts)}] {head}\n")
+
+    def end(i: int, o) -> None:
+        if not a.json:
+            out.write("\n\n" if several else "\n")
+            out.flush()
+
     t0 = time.perf_counter()
-    outs = llm.generate(reqs, params, raise_on_error=False)
+    bar = None
+    if a.json and len(rids) - len(errors) > 1 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(rids) - len(errors), desc="generating", unit="req")
+        end = lambda i, o: bar.update(1)  # noqa: E731
+    try:
+        final = _stream(engine, rids, write, start, end)
+    except KeyboardInterrupt:
+        print("\nspecserve: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
     elapsed = time.perf_counter() - t0
-    failed = 0
-    for prompt, o in zip(prompts, outs):
-        if o.error:
-            failed += 1
-            print(f"specserve: error: prompt {prompt[:40]!r}: {o.error}", file=sys.stderr)
-            if a.json:
-                print(json.dumps({"prompt": prompt, "error": o.error, "finish_reason": "error"}))
-            continue
-        if a.json:
+    outs = [final[r] for r in rids if r is not None]
+    if a.json:
+        for i, (prompt, rid) in enumerate(zip(prompts, rids)):
+            if rid is None:
+                print(json.dumps({"prompt": prompt, "error": errors[i], "finish_reason": "error"}))
+                continue
+            o = final[rid]
             obj = {"prompt": prompt, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                    "stop_reason": o.outputs[0].stop_reason, "num_prompt_tokens": len(o.prompt_token_ids),
                    "timings": o.timings()}
             if o.spec is not None:
                 obj["spec"] = o.spec.as_dict()
             print(json.dumps(obj))
-        else:
-            print(o.text)
-            if len(prompts) > 1:
-                print()
     if a.stats:
         n = sum(len(o.token_ids) for o in outs)
-        print(f"specserve: {len(outs) - failed} prompts, {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tokens/s)",
-              file=sys.stderr)
-        if llm.engine.spec_config is not None:
-            print(f"specserve: speculation: {llm.engine.spec_stats.summary()}", file=sys.stderr)
-    return 1 if failed else 0
+        print(f"specserve: {_plural(len(outs), 'prompt')}, {_plural(n, 'token')} in {elapsed:.2f} s "
+              f"({n / elapsed:.1f} tokens/s)", file=sys.stderr)
+        if engine.spec_config is not None:
+            print(f"specserve: speculation: {engine.spec_stats.summary()}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
+CHAT_HELP = "/reset forgets the conversation, /stats shows speed and speculation, /exit or Ctrl-D quits"
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    try:
+        params = sampling_params(a)
+        config = engine_args(a).create_engine_config()
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(e)
+    try:
+        engine = build_engine(a, config)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(e)
+    tok = engine.tokenizer
+    if not tok.has_chat_template:
+        return _fail("the model has no chat template; use `specserve generate --no-chat-template` for raw text")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    print(f"specserve chat: {CHAT_HELP}", flush=True)
+    history: list[dict] = []
+    last = None  # (tokens, seconds) of the last reply
+    turns = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            break
+        except KeyboardInterrupt:
+            print()
+            break
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            break
+        if cmd == "/reset":
+            history.clear()
+            print("(conversation cleared)", flush=True)
+            continue
+        if cmd == "/stats":
+            print(_chat_stats(engine, last, turns, history), flush=True)
+            continue
+        if cmd.startswith("/"):
+            print(f"unknown command {cmd.split()[0]}: {CHAT_HELP}", flush=True)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            rid = engine.add_request(_chat_ids(tok, a, history), params)
+        except ValueError as e:
+            history.pop()
+            print(f"specserve: error: {cli_error(e)}" + (" (/reset starts a new conversation)" if history else ""),
+                  flush=True)
+            continue
+
+        def write(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        t0 = time.perf_counter()
+        try:
+            out = _stream(engine, [rid], write)[rid]
+            text, n = out.text, len(out.token_ids)
+        except KeyboardInterrupt:  # stop this reply, keep the conversation
+            print("\n(reply stopped)", flush=True)
+            history.pop()
+            continue
+        print(flush=True)
+        last, turns = (n, time.perf_counter() - t0), turns + 1
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def _chat_stats(engine, last, turns: int, history: list[dict]) -> str:
+    lines = [f"{_plural(turns, 'reply', 'replies')} so far, {_plural(len(history) // 2, 'turn')} in the conversation"]
+    if last is not None:
+        n, dt = last
+        lines.append(f"last reply: {_plural(n, 'token')} in {dt:.2f} s ({n / dt:.1f} tokens/s)")
+    if engine.spec_config is None:
+        lines.append("speculation: off")
+    else:
+        lines.append(f"speculation ({engine.spec_config.method}, D={engine.spec_config.max_draft_len}): "
+                     f"{engine.spec_stats.summary()}")
+    return "\n".join(lines)
 
 
 def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="throughput and latency, speculation on/off, optionally against transformers",
+                       formatter_class=_HelpFormatter,
                        description="Generates up to --max-tokens tokens per request (exactly that many with "
                                    "--ignore-eos) for each batch size, warmed up, median of --repeats; prints a "
                                    "table and writes bench.json, "
@@ -350,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     if a.command == "generate":
         return cmd_generate(a)
+    if a.command == "chat":
+        return cmd_chat(a)
     if a.command == "train-draft":
         return cmd_train(a)
     if a.command == "serve":

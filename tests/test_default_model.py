@@ -78,13 +78,13 @@ def test_chat_answer_is_sensible(llm):
 
 
 def test_cli_generate_json():
-    cmd = [sys.executable, "-m", "specserve.cli", "generate", "What is 2 + 2?", "", "--json", "--max-tokens", "12",
-           "--device", "cpu"]
+    cmd = [sys.executable, "-m", "specserve.cli", "generate", "What is 2 + 2?", "word " * 80, "--json",
+           "--max-tokens", "12", "--max-model-len", "64", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr  # one prompt failed (the empty one), the other ran
+    assert proc.returncode == 1, proc.stderr  # one prompt failed (longer than the context), the other ran
     lines = [json.loads(x) for x in proc.stdout.strip().splitlines()]
     assert len(lines) == 2
     assert lines[0]["text"] and len(lines[0]["token_ids"]) <= 12
     assert lines[0]["finish_reason"] in ("stop", "length")
-    assert lines[1]["finish_reason"] == "error" and "empty" in lines[1]["error"]
-    assert "prompt is empty" in proc.stderr
+    assert lines[1]["finish_reason"] == "error" and "context" in lines[1]["error"]
+    assert "(--max-model-len)" in proc.stderr  # the CLI's words
