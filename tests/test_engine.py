@@ -164,8 +164,8 @@ def test_stop_strings(llm):
 def test_incremental_text_matches_full_decode(llm):
     outs = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True)
                                   for i in range(len(PROMPTS))])
-    for o in outs:
-        assert o.text == llm.tokenizer.decode(o.token_ids)
+    for o in outs:  # but an incomplete UTF-8 sequence at the cut (max_tokens) is held back, not shown as U+FFFD
+        assert o.text == llm.tokenizer.decode(o.token_ids).rstrip("\ufffd")
 
 
 def test_streaming_deltas_concatenate_to_text(llm):
