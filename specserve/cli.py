@@ -302,6 +302,18 @@ def sampling_params(a: argparse.Namespace):
                           ignore_eos=a.ignore_eos)
 
 
+def _checked_engine(a: argparse.Namespace, with_prompts: bool):
+    """Everything the flags alone can tell (prompts, sampling, the engine's config) checked before any weights
+    load, then the engine built -> (engine, prompts, sampling params), or the exit status of a bad flag or a
+    failed load (reported on stderr)."""
+    try:
+        prompts = _read_prompts(a) if with_prompts else []
+        params = sampling_params(a)
+        return build_engine(a, engine_args(a).create_engine_config()), prompts, params
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(e)
+
+
 def build_engine(a: argparse.Namespace, config):
     """Load the engine for a validated config, saying so on stderr (loading takes seconds on a CPU)."""
     from specserve import LLMEngine
@@ -386,16 +398,10 @@ def _stream(engine, rids: list[str | None], write, start=None, end=None) -> dict
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    try:  # everything the flags alone can tell is checked before the model loads
-        prompts = _read_prompts(a)
-        params = sampling_params(a)
-        config = engine_args(a).create_engine_config()
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(e)
-    try:
-        engine = build_engine(a, config)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(e)
+    got = _checked_engine(a, with_prompts=True)
+    if isinstance(got, int):
+        return got
+    engine, prompts, params = got
     tok = engine.tokenizer
     rids: list[str | None] = []
     errors: dict[int, str] = {}
@@ -472,15 +478,10 @@ CHAT_HELP = "/reset forgets the conversation, /stats shows speed and speculation
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    try:
-        params = sampling_params(a)
-        config = engine_args(a).create_engine_config()
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(e)
-    try:
-        engine = build_engine(a, config)
-    except (ValueError, FileNotFoundError) as e:
-        return _fail(e)
+    got = _checked_engine(a, with_prompts=False)
+    if isinstance(got, int):
+        return got
+    engine, _, params = got
     tok = engine.tokenizer
     if not tok.has_chat_template:
         return _fail("the model has no chat template; use `specserve generate --no-chat-template` for raw text")

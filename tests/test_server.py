@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import LLM, SamplingParams
+from server_helpers import free_port, wait_up
 from tiny_models import PROMPTS, make_head, make_hf_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(dirs, *extra) -> tuple[subprocess.Popen, str]:
@@ -36,17 +30,8 @@ def start(dirs, *extra) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    wait_up(proc, base, lambda: proc.stdout.read())
+    return proc, base
 
 
 @pytest.fixture(scope="module")

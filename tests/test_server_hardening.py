@@ -20,16 +20,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import server_helpers
+from server_helpers import free_port
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 KEY = "test-key-123"
 AUTH = {"authorization": f"Bearer {KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(dirs, log, *extra, model="t", port=None, env=None):
@@ -44,17 +40,7 @@ def launch(dirs, log, *extra, model="t", port=None, env=None):
 
 
 def wait_up(proc, base, log) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {open(log).read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    server_helpers.wait_up(proc, base, lambda: open(log).read())
 
 
 @pytest.fixture(scope="module")
