@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,13 +310,14 @@ class EngineArgs:
                             cpu_threads=(self.cpu_threads or default_cpu_threads()) if device.type == "cpu" else None)
 
 
-def default_cpu_threads() -> int:
-    """torch intra-op threads for a CPU engine: 1. Decoding runs a chain of small matmuls and paged-KV gathers per
-    token, too small to split; on this project's 2-core machine under load torch's default (2, one per core) decoded
-    the default model 4-16x slower than 1 thread and prefilled 1024 tokens 2-3x slower (docs/BENCHMARKS.md, "CPU
-    defaults"). ``cpu_threads`` / ``--cpu-threads`` overrides it (a large idle machine may prefill faster with more).
-    """
-    return 1
+def default_cpu_threads() -> int | None:
+    """torch intra-op threads for a CPU engine on a machine of at most 2 cores: 1. Decoding runs a chain of small
+    matmuls and paged-KV gathers per token, too small to split; on this project's 2-core machine under load torch's
+    default (2, one per core) decoded the default model 4-16x slower than 1 thread and prefilled 1024 tokens 2-3x
+    slower (docs/BENCHMARKS.md, "CPU defaults"). Larger machines were not measured: None keeps torch's default
+    (the setting is process-wide, so it is left alone where no measurement backs a change). ``cpu_threads`` /
+    ``--cpu-threads`` overrides it."""
+    return 1 if (os.cpu_count() or 1) <= 2 else None
 
 
 @dataclass(frozen=True)

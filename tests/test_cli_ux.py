@@ -105,6 +105,12 @@ def test_head_kind_comes_from_its_folder(dirs, caplog):
                                                   if k not in ("num_nextn_predict_layers", "model_type",
                                                                "architectures")}))
     assert SpeculativeConfig(draft_model=str(bare)).method == "mtp"
+    # an EAGLE-3 config that copied its target's num_nextn_predict_layers is still EAGLE-3
+    copied = dirs / "eagle3-copied"
+    copied.mkdir(exist_ok=True)
+    (copied / "config.json").write_text(json.dumps(dict(json.loads((dirs / "eagle3" / "config.json").read_text()),
+                                                        num_nextn_predict_layers=1)))
+    assert head_kind(str(copied)) == "eagle3"
     # the flag overrides, with a warning
     with caplog.at_level("WARNING", logger="specserve"):
         assert SpeculativeConfig(method="eagle3", draft_model=str(dirs / "mtp")).method == "eagle3"
@@ -273,8 +279,15 @@ def test_cpu_defaults(dirs, monkeypatch):
 
     before = torch.get_num_threads()
     try:
+        import os
         cfg = EngineArgs(model=str(dirs / "target"), device="cpu").create_engine_config()
-        assert cfg.cpu_threads == 1
+        # 1 thread where it was measured faster (2 cores); larger machines keep torch's default
+        assert cfg.cpu_threads == (1 if (os.cpu_count() or 1) <= 2 else None)
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        assert EngineArgs(model=str(dirs / "target"), device="cpu").create_engine_config().cpu_threads == 1
+        monkeypatch.setattr(os, "cpu_count", lambda: 64)
+        assert EngineArgs(model=str(dirs / "target"), device="cpu").create_engine_config().cpu_threads is None
+        monkeypatch.undo()
         llm = LLM(str(dirs / "target"), device="cpu", max_num_seqs=3, max_model_len=100, cpu_threads=2)
         assert torch.get_num_threads() == 2
         # the KV pool holds max_num_seqs sequences of max_model_len tokens (and padding block 0), not 2 GiB
@@ -287,4 +300,7 @@ def test_cpu_defaults(dirs, monkeypatch):
     monkeypatch.setattr(kv_cache, "_available_memory", lambda: 8 * 50 * per_block)
     assert kv_cache.cpu_kv_budget(CacheConfig(), per_block, seq, 64) == 50 * per_block  # and by memory / 8
     monkeypatch.setattr(kv_cache, "_available_memory", lambda: 8 * per_block)
-    assert kv_cache.cpu_kv_budget(CacheConfig(), per_block, seq, 64) == (seq + 1) * per_block  # one sequence
+    # the caps hold even where one sequence needs more (the engine then lowers max_model_len)
+    assert kv_cache.cpu_kv_budget(CacheConfig(), per_block, seq, 64) == 2 * per_block
+    monkeypatch.setattr(kv_cache, "_available_memory", lambda: 1 << 40)
+    assert kv_cache.cpu_kv_budget(CacheConfig(), per_block, 4096, 1) == 2 << 30  # a 64k-token context: the cap

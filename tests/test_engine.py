@@ -181,6 +181,28 @@ def test_streaming_deltas_concatenate_to_text(llm):
     assert "".join(deltas) == final.text and ids == final.token_ids
 
 
+def test_streamed_text_never_shows_a_stop_string_that_completes_in_a_later_step(llm):
+    """One token a step: a stop string spread over several steps cuts the text where it began, so the text its
+    first tokens added must never have been streamed (held back while a stop string may complete); the deltas
+    always add up to a prefix of the final text, and at the end to the text."""
+    eng = llm.engine
+    full = llm.generate(PROMPTS[3], GREEDY)[0]
+    text = full.text
+    # a stop string of the text of tokens 2-5: it begins steps before it completes
+    ends = [len(llm.tokenizer.decode(full.token_ids[:k])) for k in range(1, 6)]
+    stop = text[ends[0]:ends[4]]
+    assert ends[0] < ends[1] < ends[4] and text.index(stop) == ends[0]
+    rid = eng.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    shown, final = "", None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id == rid
+            shown += out.delta_text
+            final = out
+            assert stop[0] not in shown[text.index(stop):] and text.startswith(shown)
+    assert final.finished and shown == final.text == text[:text.index(stop)]
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 

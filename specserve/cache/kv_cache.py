@@ -75,14 +75,15 @@ ACTIVATION_RESERVE = 2 << 30
 
 def cpu_kv_budget(cfg: CacheConfig, per_block: int, seq_blocks: int, max_num_seqs: int) -> int:
     """Default KV bytes on the CPU: what ``max_num_seqs`` sequences of ``seq_blocks`` blocks each (max_model_len
-    plus speculation's slots) need, but at least one such sequence, and at most ``cfg.cpu_kv_cache_bytes`` or an
-    eighth of the memory available now (the pool is zeroed, so every byte of it is touched at start)."""
+    plus speculation's slots) need, at most ``cfg.cpu_kv_cache_bytes`` or an eighth of the memory available now
+    (the pool is zeroed, so every byte of it is touched at start). A model whose one sequence needs more (a long
+    context) gets the cap, and the engine lowers max_model_len to what it holds, with a warning."""
     wanted = (max_num_seqs * seq_blocks + 1) * per_block
     cap = cfg.cpu_kv_cache_bytes
     available = _available_memory()
     if available is not None:
         cap = min(cap, available // 8)
-    return max(min(wanted, cap), (seq_blocks + 1) * per_block)
+    return max(min(wanted, cap), 2 * per_block)
 
 
 def _available_memory() -> int | None:

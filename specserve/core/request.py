@@ -81,6 +81,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.detokenizer = None  # set by the engine
         self.output_text = ""
+        self.text_sent = 0  # characters of output_text reported as delta_text so far
         self.error: str | None = None
 
     @property

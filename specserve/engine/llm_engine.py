@@ -181,18 +181,18 @@ class LLMEngine:
             self._error = e
         return [self._report(*x) for x in done]
 
-    def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int]]:
+    def _collect(self, launched) -> list[tuple[Request, list[int], int, int]]:
         """Wait for a launched step and apply its tokens: appended in order (nothing after the token that ends a
         request), finished requests released, the next drafts kept. What the next schedule depends on is done
         here; the rest (detokenizing without stop strings, outputs, statistics) waits for ``_report``. ->
-        (request, tokens appended, text length before them, drafts verified, drafts accepted) per sampling row."""
+        (request, tokens appended, drafts verified, drafts accepted) per sampling row."""
         batch = launched.batch
         done = []
         for entry, res in self.scheduler.update(batch, self.runner.collect(launched)):
             req = entry.request
             if req.finished:  # aborted while its step ran
                 continue
-            appended, text_before = [], len(req.output_text)
+            appended = []
             per_token = bool(req.params.stop)  # a stop string can end the request at any token of the step
             for tok in res.tokens:
                 req.append_token(tok)
@@ -207,18 +207,21 @@ class LLMEngine:
             if req.finished:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
-            done.append((req, appended, text_before, entry.num_drafts, res.num_accepted))
+            done.append((req, appended, entry.num_drafts, res.num_accepted))
         return done
 
-    def _report(self, req: Request, appended: list[int], text_before: int, num_drafts: int,
-                num_accepted: int) -> RequestOutput:
+    def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int) -> RequestOutput:
         """A collected step's output for one request: its text (unless stop strings detokenized it already) and
         statistics."""
         if appended and not req.params.stop:
             self._detokenize(req, appended)
-        # the step's text after stop strings: a stop string completed by a later token of this step also cuts
-        # the text that earlier tokens of the same step added
-        delta = req.output_text[text_before:]
+        # the text not reported yet, after stop strings; while one may still complete, the text it could begin
+        # with is held back (a later token would cut the text there), as vLLM does
+        end = len(req.output_text)
+        if req.params.stop and not req.finished:
+            end = max(req.text_sent, end - max(len(s) for s in req.params.stop) + 1)
+        delta = req.output_text[req.text_sent:end]
+        req.text_sent = end
         req.spec_stats.record(num_drafts, num_accepted, len(appended))
         self.spec_stats.record(num_drafts, num_accepted, len(appended))
         return self._output(req, delta, appended)

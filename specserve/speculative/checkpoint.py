@@ -133,8 +133,8 @@ def check_head_folder(draft_model: str) -> Path:
 
 def head_kind(draft_model: str) -> str | None:
     """The method a head folder's layout says it is ("eagle3" or "mtp"; None when it says nothing or is not a
-    head folder): its config.json (``num_nextn_predict_layers`` / ``model_type: mtp`` / an MTP architecture, or
-    ``eagle_config`` / ``draft_vocab_size`` / an Eagle architecture), else its tensor names (``model.layers.<i>.
+    head folder): its config.json (``eagle_config`` / ``draft_vocab_size`` / an Eagle architecture, or
+    ``num_nextn_predict_layers`` / ``model_type: mtp`` / an MTP architecture), else its tensor names (``model.layers.<i>.
     enorm|hnorm|eh_proj``, or ``fc.weight`` / ``midlayer.*``), read from the safetensors headers only."""
     folder = Path(draft_model).expanduser()
     try:
@@ -142,10 +142,12 @@ def head_kind(draft_model: str) -> str | None:
     except (OSError, ValueError):
         return None
     archs = " ".join(str(a) for a in raw.get("architectures") or []).lower()
+    # Eagle's own keys first: an EAGLE-3 config copied from its target may carry the target's
+    # num_nextn_predict_layers too
+    if "eagle_config" in raw or "draft_vocab_size" in raw or ("eagle" in archs and "mtp" not in archs):
+        return "eagle3"
     if "num_nextn_predict_layers" in raw or raw.get("model_type") == "mtp" or "mtp" in archs:
         return "mtp"
-    if "eagle_config" in raw or "draft_vocab_size" in raw or "eagle" in archs:
-        return "eagle3"
     from safetensors import safe_open
 
     from specserve.loaders.hf import safetensors_files
