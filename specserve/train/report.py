@@ -18,7 +18,7 @@ def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int
     from specserve.config import resolve_device
 
     # a fixed cache on the GPU (the scheduler runs fewer prompts at once where it is short), not a share of
-    # the card: another head may be training on the same GPU (gpu_train_all.sh trains two at once)
+    # the card: another head may be training on the same GPU (`gpu.sh train` with METHODS="eagle3 mtp" trains two)
     kv = EVAL_KV_BYTES if resolve_device(device).type == "cuda" else None
     llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128, kv_cache_memory_bytes=kv,
               speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
