@@ -33,9 +33,9 @@ def launch(dirs, log, *extra, model="t", port=None, env=None):
     cmd = [sys.executable, "-m", "specserve.cli", "serve", "--model", str(dirs / model), "--draft",
            str(dirs / ("h" if model == "t" else "h2")), "--draft-len", "3", "--device", "cpu", "--port", str(port),
            "--served-model-name", "tiny", *extra]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -60,12 +60,16 @@ def srv(dirs):
     log = dirs / "srv.log"
     proc, base = launch(dirs, log, "--num-kv-blocks", "400", "--max-queue", "300", "--max-request-bytes", "65536",
                         "--max-prompt-chars", "2000", "--body-timeout", "1", "--header-timeout", "1",
-                        "--default-max-tokens", "8", "--log-stats-interval", "1",
+                        "--default-max-tokens", "8", "--log-stats-interval", "1", "--timeout-keep-alive", "4",
+                        "--allowed-hosts", "Specserve.Test.,other.test",
                         env={"SPECSERVE_API_KEY": KEY})
-    wait_up(proc, base, log)
-    yield base, log
-    proc.terminate()
-    assert proc.wait(timeout=60) == 0
+    try:
+        wait_up(proc, base, log)
+        yield base, log
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
     text = log.read_text()
     assert "Traceback" not in text and "RuntimeError" not in text and "internal error" not in text, text[-3000:]
 
@@ -138,14 +142,73 @@ def test_api_key_host_check_and_docs(srv, client):
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert httpx.get(base + path).status_code == 404
     # a DNS-rebinding page reaches a loopback server under its own name: refused
-    r = httpx.post(base + "/v1/completions", json=body, headers={**AUTH, "host": "evil.example:80"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_host"
-    assert httpx.post(base + "/v1/completions", json=body, headers={**AUTH, "host": "localhost"}).status_code == 200
+    for host in ("evil.example:80", "localhost.evil.example", "127.0.0.1.evil.example", "[::1]x", "specserve.test.x"):
+        r = httpx.post(base + "/v1/completions", json=body, headers={**AUTH, "host": host})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_host", host
+        assert r.headers["connection"] == "close"
+    port = base.rsplit(":", 1)[1]
+    for host in ("localhost", f"localhost:{port}", "localhost.", f"LocalHost.:{port}", f"127.0.0.2:{port}",
+                 "127.255.0.1", "[::1]", f"[0:0:0:0:0:0:0:1]:{port}", f"specserve.test:{port}", "other.test."):
+        r = httpx.get(base + "/v1/models", headers={**AUTH, "host": host})
+        assert r.status_code == 200, (host, r.text)
+    # HTTP/1.0 without a Host header
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+        s.sendall(b"GET /v1/models HTTP/1.0\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n")
+        assert read_all(s).startswith(b"HTTP/1.1 200")
+    # a 401 closes the connection without reading the body the client announced
+    r = httpx.post(base + "/v1/completions", json=body, headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.headers["connection"] == "close"
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n{\"prompt\"")
+        t0 = time.time()
+        data = read_all(s)
+        assert data.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in data and time.time() - t0 < 5, data
     from openai import AuthenticationError, OpenAI
 
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
     good(client)
+
+
+def read_all(sock) -> bytes:
+    """Everything until the server closes the connection (socket.timeout if it does not)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_keep_alive_outlives_the_header_timeout(srv):
+    """--timeout-keep-alive (4 s) governs an idle connection between requests, not --header-timeout (1 s),
+    which bounds only a request head from its first byte; pipelined requests all get their responses."""
+    port = int(srv[0].rsplit(":", 1)[1])
+    req = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+
+    def responses(sock, n) -> bytes:
+        data = b""
+        while data.count(b"HTTP/1.1 200") < n or not data.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        return data
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(req)
+        responses(s, 1)
+        time.sleep(2.5)  # idle past the header timeout, within the keep-alive
+        s.sendall(req * 3)  # pipelined
+        assert responses(s, 3).count(b"HTTP/1.1 200") == 3
+        t0 = time.time()
+        assert read_all(s) == b""  # then closed once idle for the keep-alive period
+        assert 3 < time.time() - t0 < 7
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(req)
+        responses(s, 1)
+        time.sleep(0.5)
+        s.sendall(b"GET /health HTTP/1.1\r\n")  # a new request head begun, never finished
+        t0 = time.time()
+        assert read_all(s) == b"" and time.time() - t0 < 2.5
 
 
 def test_chat_without_max_tokens_is_bounded_by_the_default(client):
@@ -187,10 +250,19 @@ def test_slow_clients_are_cut_off(srv, client):
 
 
 def test_non_streaming_hang_up_aborts_cleanly(srv, client):
+    key = ("specserve_requests_total", (("finish_reason", "length"),))
+    before = metrics(srv[0]).get(key, 0)
+    hung_up = '"POST /v1/completions" 499 client disconnected'
+    logged = srv[1].read_text().count(hung_up)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 480, "ignore_eos": True},
                    headers=AUTH, timeout=0.3)
-    wait_idle(srv[0])
+    m = wait_idle(srv[0])
+    assert m.get(key, 0) == before  # aborted, not run to its length
+    deadline = time.time() + 10
+    while srv[1].read_text().count(hung_up) == logged and time.time() < deadline:
+        time.sleep(0.1)
+    assert srv[1].read_text().count(hung_up) == logged + 1
     good(client)  # the fixture's teardown checks the log holds no RuntimeError (aclose) or traceback
 
 
@@ -260,16 +332,25 @@ def test_access_and_throughput_logs(srv, client):
     assert "Avg prompt throughput:" in text and "Avg generation throughput:" in text
 
 
-def test_serving_line_only_once_bound_and_flags_checked_first(dirs, tmp_path):
+def test_serving_line_only_once_bound_and_flags_checked_first(dirs, tmp_path, monkeypatch):
     from specserve.cli import build_parser
     from specserve.server.serve import options
 
     def opts(*args):
         return options(build_parser().parse_args(["serve", *args]))
 
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     assert opts().api_key is None and opts().enable_docs is False and opts().default_max_tokens == 4096
     assert opts("--api-key", "k").api_key == "k" and opts("--default-max-tokens", "0").default_max_tokens is None
     assert opts("--host", "0.0.0.0").loopback_hosts_only is False and opts().loopback_hosts_only is True
+    assert opts("--allowed-hosts", " A.test., b.test").allowed_hosts == ("a.test", "b.test")
+    assert opts("--allowed-hosts", "a.test,*").loopback_hosts_only is False
+    with pytest.raises(ValueError, match="--api-key must not be empty"):
+        opts("--api-key", "")
+    monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")  # an empty flag must not turn the key off
+    assert opts().api_key == "from-env" and opts("--api-key", "k").api_key == "k"
+    with pytest.raises(ValueError, match="--api-key must not be empty"):
+        opts("--api-key", "")
     with pytest.raises(ValueError, match="--max-request-bytes"):
         opts("--max-request-bytes", "0")
     with socket.socket() as busy:  # a port in use: an error, and no "serving" line before it
@@ -277,7 +358,10 @@ def test_serving_line_only_once_bound_and_flags_checked_first(dirs, tmp_path):
         busy.listen(1)
         log = tmp_path / "busy.log"
         proc, _ = launch(dirs, log, "--num-kv-blocks", "100", port=busy.getsockname()[1])
-        assert proc.wait(timeout=120) == 1
+        try:
+            assert proc.wait(timeout=120) == 1
+        finally:
+            proc.kill()
     text = log.read_text()
     assert "cannot listen" in text and "serving" not in text, text
 
@@ -313,7 +397,10 @@ def test_timeout_drain_and_docs(dirs, tmp_path):
         threads = [threading.Thread(target=stream), threading.Thread(target=post, args=("long", long))]
         for t in threads:
             t.start()
-        time.sleep(0.7)
+        deadline = time.time() + 30  # both requests admitted (and running) before the signal
+        while metrics(base)[("specserve_num_requests_running", ())] < 2:
+            assert time.time() < deadline and all(t.is_alive() for t in threads), got
+            time.sleep(0.05)
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)
         for t in threads:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -49,6 +50,7 @@ class ServerOptions:
     default_max_tokens: int | None = 4096  # chat completions without max_tokens; None: up to the context
     max_max_tokens: int | None = None  # None: no cap beyond the context
     loopback_hosts_only: bool = False  # Host header must name a loopback address (set when bound to loopback)
+    allowed_hosts: tuple[str, ...] = ()  # names accepted besides loopback ones (lowercase, no trailing dot)
     tokenizer_workers: int = 2
     log_requests: bool = True
 
@@ -230,22 +232,43 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         err = None
-        if self.opts.loopback_hosts_only:
-            host = headers.get(b"host", b"").decode("latin-1").lower()
-            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[:host.find("]") + 1]
-            if name not in ("localhost", "127.0.0.1", "[::1]"):
-                err = APIError(403, "this server is bound to a loopback address and answers only loopback host "
-                                    "names", code="forbidden_host", close=True)
+        if self.opts.loopback_hosts_only and not host_allowed(headers.get(b"host", b""), self.opts.allowed_hosts):
+            err = APIError(403, "this server is bound to a loopback address and answers only loopback host names "
+                                "(and those of --allowed-hosts)", code="forbidden_host", close=True)
         if err is None and self.key is not None and scope["path"].startswith("/v1/"):
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                # the body is not read (an unauthenticated client may send any size): close after the reply
                 err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                               code="invalid_api_key")
+                               code="invalid_api_key", close=True)
         if err is not None:
             _log_access(self.opts, scope, err.status, err.code)
             return await err.response()(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def host_allowed(host: bytes, allowed=()) -> bool:
+    """Whether a Host header names this loopback server: absent (HTTP/1.0), a name that parses as a loopback
+    address (any of 127/8, ``::1`` in any spelling), ``localhost``, or one of ``allowed``; a port and a
+    trailing dot are ignored."""
+    h = host.decode("latin-1").strip().lower()
+    if not h:
+        return True
+    if h.startswith("["):
+        end = h.find("]")
+        if end < 0 or (h[end + 1:] and not h[end + 1:].startswith(":")):
+            return False
+        name = h[1:end]
+    else:
+        name = h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+    name = name[:-1] if name.endswith(".") else name
+    if name == "localhost" or name in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _log_access(opts: ServerOptions, scope, status: int, detail: str | None = None, out=None) -> None:

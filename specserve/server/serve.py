@@ -31,6 +31,9 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
     g = sv.add_argument_group("server limits and security")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names a loopback-bound server also answers, besides localhost and "
+                        "loopback addresses (e.g. a name mapped to 127.0.0.1); '*': any Host (default: none)")
     g.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="largest request body, else 413 (default: %(default)s)")
@@ -74,14 +77,18 @@ def options(a: argparse.Namespace) -> ServerOptions:
         raise ValueError("--max-prompt-chars must be positive")
     if a.max_tokens_limit is not None and a.max_tokens_limit <= 0:
         raise ValueError("--max-tokens-limit must be positive")
+    if a.api_key is not None and not a.api_key.strip():
+        raise ValueError(f"--api-key must not be empty (leave it out for no key, or set ${API_KEY_ENV})")
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    hosts = [h.strip().lower().rstrip(".") for h in a.allowed_hosts.split(",") if h.strip()]
     default_max = a.default_max_tokens or None
     if default_max is not None and a.max_tokens_limit is not None:
         default_max = min(default_max, a.max_tokens_limit)
     return ServerOptions(api_key=key, enable_docs=a.enable_docs, max_request_bytes=a.max_request_bytes,
                          max_prompt_chars=a.max_prompt_chars, body_timeout=a.body_timeout,
                          request_timeout=a.request_timeout or None, default_max_tokens=default_max,
-                         max_max_tokens=a.max_tokens_limit, loopback_hosts_only=_is_loopback(a.host),
+                         max_max_tokens=a.max_tokens_limit,
+                         loopback_hosts_only=_is_loopback(a.host) and "*" not in hosts, allowed_hosts=tuple(hosts),
                          log_requests=not a.disable_log_requests)
 
 
@@ -95,35 +102,55 @@ def _is_loopback(host: str) -> bool:
 
 
 def _protocol(header_timeout: float):
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
-    ``header_timeout`` of opening or of its last response (slow-header clients)."""
+    """uvicorn's h11 protocol with a header timeout: a connection is closed when a request head is not complete
+    within ``header_timeout`` of the connection's opening or of the request's first byte (slow-header clients).
+    A connection idle between requests is left to uvicorn's ``--timeout-keep-alive``, and one with a request or
+    response in progress is never closed by this timer."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
         _head_timer = None
 
+        def _waiting_for_head(self) -> bool:  # between requests: no request head complete, no response going
+            return self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE
+
         def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+
+        def _disarm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            cycle = self.cycle
-            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout, cycle)
+                self._head_timer = None
 
-        def _head_timeout(self, cycle) -> None:
-            if self.cycle is cycle and not self.transport.is_closing():  # no new request head since
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._waiting_for_head() and not self.transport.is_closing():
                 self.transport.close()
+
+        def _track(self) -> None:
+            if self.transport.is_closing():
+                self._disarm()
+            elif not self._waiting_for_head():
+                self._disarm()  # the head is complete (or the connection errored): the timer is done
+            elif self._head_timer is None and self.conn.trailing_data[0]:
+                self._arm()  # the first bytes of a new request head
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._track()
+
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
+            super().on_response_complete()  # arms uvicorn's keep-alive timer, then handles pipelined bytes
+            self._track()
 
         def connection_lost(self, exc) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
+            self._disarm()
             super().connection_lost(exc)
 
     return Protocol
