@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -28,3 +29,12 @@ def wait_up(proc, base: str, output: Callable[[], str], timeout: float = 120) ->
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def metrics(base: str) -> dict:
+    """The server's Prometheus samples: (name, sorted labels) -> value."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

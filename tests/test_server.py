@@ -14,10 +14,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import LLM, SamplingParams
-from server_helpers import free_port, wait_up
+from server_helpers import free_port, metrics, wait_up
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 
@@ -168,14 +167,6 @@ def test_chat_content_parts_nulls_and_stream_roles(server, offline):
     for method, path, status in (("POST", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
         r = httpx.request(method, server + path)
         assert r.status_code == status and r.json()["error"]["message"], r.text
-
-
-def metrics(server) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(server + "/metrics").text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def test_load_with_disconnects_frees_every_block(server, offline):

@@ -18,10 +18,9 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import server_helpers
-from server_helpers import free_port
+from server_helpers import free_port, metrics
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 KEY = "test-key-123"
@@ -264,14 +263,6 @@ def test_non_streaming_hang_up_aborts_cleanly(srv, client):
         time.sleep(0.1)
     assert srv[1].read_text().count(hung_up) == logged + 1
     good(client)  # the fixture's teardown checks the log holds no RuntimeError (aclose) or traceback
-
-
-def metrics(base) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(base + "/metrics").text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def wait_idle(base) -> dict:
