@@ -5,8 +5,8 @@ sweep of launches, against the norm kernel + cuBLAS + argmax. Four calls per gra
 draft loop of D = 4 makes them (an int8 table of 28 MB can stay in the 50 MB L2 between them). The sweep is of
 the kernel drafts run: the norm's weight folded into the int8 rows and no norm prologue (``normed_argmax``); the
 kernel with its prologue, as drafts ran before, at the default launch beside it. (The int8 rows were also timed
-stored as uint8 q + 128, converted by integer and float adds instead of int-to-float instructions: no faster;
-docs/BENCHMARKS.md at commit d1401ab, twelfth session.)
+stored as uint8 q + 128, converted by integer and float adds instead of int-to-float
+instructions: no faster on the H200.)
 
     python benchmarks/bench_lm_head.py [--json FILE]     (CUDA)
 """
