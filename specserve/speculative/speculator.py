@@ -117,10 +117,18 @@ class Speculator:
         d = spec.max_draft_len
         self.spec = spec
         self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
-        self.verify_len = spec.verify_len  # tokens a generation row verifies: its last token and D drafts
-        self.lookahead_slots = spec.lookahead_slots  # positions past a row's tokens the draft loop writes
         self.verifier = Verifier(spec, thinking_tokens)
         self.drafter = Drafter(head, head_kv, block_size, d, model.rope.cos_cache.shape[0] - 1)
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens a generation row verifies: its last token and D drafts."""
+        return self.spec.verify_len
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Positions past a row's tokens that the draft loop writes."""
+        return self.spec.lookahead_slots
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
