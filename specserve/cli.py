@@ -53,6 +53,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-async-output-proc", action="store_true",
                    help="detokenize and report each step before launching the next (default on CUDA: while "
                         "the device runs the next step)")
+    g.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="schedule each step after the one before has returned its tokens (default on CUDA with "
+                        "graphs: the next step is prepared and launched while the device runs the current one)")
     g.add_argument("--attention-backend", default=e.attention_backend, choices=list(ATTENTION_BACKENDS),
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
     g.add_argument("--cpu-threads", type=int, default=e.cpu_threads, metavar="N",
@@ -122,7 +125,8 @@ def engine_args(a: argparse.Namespace):
                       block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory,
                       gpu_memory_utilization=a.gpu_memory_utilization, num_kv_blocks=a.num_kv_blocks,
                       speculative_config=spec, enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
-                      async_output=False if a.disable_async_output_proc else None, cpu_threads=a.cpu_threads)
+                      async_output=False if a.disable_async_output_proc else None,
+                      overlap_scheduler=False if a.disable_overlap_scheduler else None, cpu_threads=a.cpu_threads)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -296,6 +300,9 @@ def _bench_parser(sub) -> None:
     b.add_argument("--enforce-eager", action="store_true")
     b.add_argument("--disable-async-output-proc", action="store_true",
                    help="detokenize and report each step before launching the next")
+    b.add_argument("--overlap", default="on", choices=["on", "off", "both"],
+                   help="the overlap scheduler (on CUDA with graphs); both: each engine with it, then without, "
+                        "with the gain at each batch size")
     b.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     b.add_argument("--steps", type=int, nargs="*", default=None, metavar="BATCH",
                    help="also time decode / verify / draft-loop CUDA graphs at these batch sizes (CUDA, speculative)")
@@ -314,7 +321,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           ignore_eos=a.ignore_eos, speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
-                          async_output=False if a.disable_async_output_proc else None,
+                          async_output=False if a.disable_async_output_proc else None, overlap=a.overlap,
                           kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:

@@ -204,6 +204,9 @@ class SchedulerConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # KV slots reserved beyond a sampling request's tokens (``SpeculativeConfig.lookahead_slots``; 0 without)
     num_lookahead_slots: int = 0
+    # D: drafts a request proposes each step (0 without speculation); the overlap scheduler counts a running
+    # request's next drafts before the host has them
+    max_draft_len: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -211,6 +214,7 @@ class SchedulerConfig:
         if self.max_model_len is not None:  # None: the model's length
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("num_lookahead_slots", self.num_lookahead_slots, 0)
+        _check_int("max_draft_len", self.max_draft_len, 0)
 
 
 _DTYPES = {
@@ -280,6 +284,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
     # detokenize and report a step while the device runs the next one (``LLMEngine.step``); None: on CUDA
     async_output: bool | None = None
+    # schedule and launch step n + 1 before step n's result reaches the host (``LLMEngine.step``); None: on CUDA
+    # with CUDA graphs (``--disable-overlap-scheduler`` turns it off)
+    overlap_scheduler: bool | None = None
     # torch intra-op threads on the CPU (process-wide); None: ``default_cpu_threads()``, measured in BENCHMARKS.md
     cpu_threads: int | None = None
 
@@ -297,16 +304,21 @@ class EngineArgs:
             _check_int("cpu_threads", self.cpu_threads, 1)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=self.max_model_len,
-                                num_lookahead_slots=spec.lookahead_slots if spec is not None else 0)
+                                num_lookahead_slots=spec.lookahead_slots if spec is not None else 0,
+                                max_draft_len=spec.max_draft_len if spec is not None else 0)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.async_output is not None and not isinstance(self.async_output, bool):
-            raise ValueError(f"async_output must be True, False or None, got {self.async_output!r}")
+        for name in ("async_output", "overlap_scheduler"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
         return EngineConfig(model=self.model, device=device, dtype=dtype, cache_config=cache,
                             scheduler_config=sched, speculative_config=spec, attention_backend=self.attention_backend,
                             enforce_eager=self.enforce_eager,
                             async_output=device.type == "cuda" if self.async_output is None else self.async_output,
                             max_cuda_graph_batch_size=self.max_cuda_graph_batch_size,
+                            overlap_scheduler=(device.type == "cuda" and self.max_cuda_graph_batch_size > 0
+                                               if self.overlap_scheduler is None else self.overlap_scheduler),
                             cpu_threads=(self.cpu_threads or default_cpu_threads()) if device.type == "cpu" else None)
 
 
@@ -335,6 +347,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     async_output: bool = False  # resolved: True on CUDA unless the user turned it off
+    # resolved: True on CUDA with graphs unless turned off; it reports a step one call late, as async_output does
+    overlap_scheduler: bool = False
     max_cuda_graph_batch_size: int = 128
     model_config: ModelConfig | None = None  # set by ``with_model``
     num_kv_blocks: int | None = None  # KV pool size in blocks (block 0 is padding), set by ``with_model``

@@ -16,7 +16,8 @@ from specserve.cli import engine_args
 _FLAGS = {"max_draft_len": "--draft-len", "draft_model": "--draft", "kv_cache_memory_bytes": "--kv-cache-memory",
           "num_blocks": "--num-kv-blocks", "use_relaxed_acceptance_for_thinking": "--relaxed-acceptance",
           "begin_thinking_phase_token": "--begin-thinking-token", "end_thinking_phase_token": "--end-thinking-token",
-          "async_output": "--disable-async-output-proc", "max_num_seqs": "--max-num-seqs"}
+          "async_output": "--disable-async-output-proc", "overlap_scheduler": "--disable-overlap-scheduler",
+          "max_num_seqs": "--max-num-seqs"}
 
 
 def cli_error(e: Exception) -> str:

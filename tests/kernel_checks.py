@@ -20,7 +20,7 @@ from specserve.kernels.attention import (SHORT_SPLIT, AttnPartials, _flat_index,
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
-from specserve.kernels.step_inputs import expand_record, expand_record_ref
+from specserve.kernels.step_inputs import correct_record, correct_record_ref, expand_record, expand_record_ref
 from specserve.runner.sampler import SamplingTensors
 from specserve.speculative import accept as spec_accept
 
@@ -234,6 +234,33 @@ def check_step_inputs(device, dtype):
 
 
 @kernel_check
+def check_correct_record(device, dtype):
+    """The overlap scheduler's correction of rows that continue the step in flight, in one kernel == the PyTorch
+    ops (exact): plain and speculative, rows with and without a source row, the thinking phase tracked or not."""
+    g = torch.Generator().manual_seed(9)
+    for b, d, think in ((1, 0, (-1, -1)), (5, 0, (-1, -1)), (6, 3, (-1, -1)), (8, 4, (7, 9)), (3, 1, (-1, 9))):
+        q, cols = 1 + d, 10
+        width = 2 * d + 2 if d else 1
+        carry = torch.randint(0, 12, (cols + 1, width), generator=g)
+        if d:
+            carry[:, 0] = torch.randint(0, d + 1, (cols + 1,), generator=g)  # accepted counts
+        f = dict(src=torch.where(torch.rand(b, generator=g) < 0.7, torch.randint(0, cols, (b,), generator=g), -1),
+                 start=torch.randint(20, 60, (b,), generator=g), count=torch.full((b,), q),
+                 num_drafts=torch.full((b,), d), offsets=torch.randint(5, 30, (b,), generator=g))
+        if d:
+            f.update(prev_nd=torch.randint(0, d + 1, (b,), generator=g), room=torch.randint(-3, d + 3, (b,), generator=g),
+                     cap=torch.randint(0, d + 1, (b,), generator=g), flags=torch.randint(0, 2, (4 * b,), generator=g))
+        tokens = torch.randint(0, 1000, (b, q), generator=g)
+        got_f = {k: v.clone().to(device) for k, v in f.items()}
+        got_t = tokens.clone().to(device)
+        correct_record(got_f, got_t, carry.to(device), d, think)
+        correct_record_ref(f, tokens, carry, d, think)
+        assert torch.equal(got_t.cpu(), tokens), f"corrected tokens b={b} D={d}"
+        for k in f:
+            assert torch.equal(got_f[k].cpu(), f[k]), f"corrected {k} b={b} D={d}"
+
+
+@kernel_check
 def check_draft_inputs(device, dtype):
     """The draft loop's inputs after acceptance in one kernel == the PyTorch ops (exact), for a graph layout
     (every row q tokens) and a packed one (rows of different lengths), with rows that do not draft."""
@@ -262,7 +289,7 @@ def check_draft_inputs(device, dtype):
 
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
-          check_embed_norm_cat, check_step_inputs, check_draft_inputs, check_gemv, check_gemv_rows, check_qkv_rope,
+          check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows, check_qkv_rope,
           check_qkv_rows, check_norm_fold, check_attn_merge_fold]
 
 def dtypes(device: str):

@@ -30,7 +30,7 @@ def test_bench_rows_ratios_and_outputs(dirs, tmp_path):
                "--compare", "hf", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
-    assert (out / "bench.png").stat().st_size > 0 and "| specserve | on | 3 |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 0 and "| specserve | on | on | 3 |" in (out / "bench.md").read_text()
     rows = {(r["engine"], r["speculative"], r["batch"]): r for r in res["rows"]}
     assert set(rows) == {(e, s, b) for e, s in (("specserve", False), ("specserve", True), ("transformers", False))
                          for b in (1, 3)}
@@ -68,6 +68,19 @@ def test_bench_rounds_alternate_the_engines_and_report_the_median_round(dirs):
     assert res["ratios"]["specserve+spec / specserve @ batch 1"] == medians
     with pytest.raises(ValueError, match="--rounds"):
         BenchConfig(rounds=0)
+
+
+def test_bench_overlap_both_runs_each_engine_with_and_without_it(dirs):
+    res = run_bench(BenchConfig(model=str(dirs / "target"), speculative="off", overlap="both", num_prompts=2,
+                                max_tokens=4, repeats=1, rounds=2, device="cpu", dtype="float32"))
+    rows = {r["overlap"]: r for r in res["rows"]}
+    assert len(res["rows"]) == 2 and set(rows) == {False, True}
+    assert rows[True]["first_tokens"] == rows[False]["first_tokens"]
+    per_round = [a / b for a, b in zip(rows[True]["round_tokens_per_s"], rows[False]["round_tokens_per_s"])]
+    assert res["ratios"]["specserve overlap on / off @ batch 1, median of 2 rounds"] == pytest.approx(
+        sum(per_round) / 2)
+    with pytest.raises(ValueError, match="--overlap"):
+        BenchConfig(overlap="sometimes")
 
 
 def test_two_rounds_report_the_mean_of_their_ratios():

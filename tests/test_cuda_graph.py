@@ -192,9 +192,9 @@ def test_padded_layout_with_the_upload_in_the_step_equals_packed(dirs, spec, mon
     keys, uploads = [], []
     run, graph_batch = CudaGraphs.run, ModelRunner.graph_batch
 
-    def keyed(self, key, step):
+    def keyed(self, key, step, **kw):
         keys.append(key)
-        return run(self, key, step)
+        return run(self, key, step, **kw)
 
     def batch(self, rec, *args):
         uploads.append((self._ints.host is not None, rec.size))

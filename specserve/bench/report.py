@@ -22,22 +22,23 @@ def table(result: dict) -> str:
     if meta.get("command"):
         lines.append(f"`{meta['command']}`")
     lines += ["",
-             "| engine | spec | batch | new tok | tok/s | AL | per-position | TTFT p50/p90/p99 ms | "
-             "TPOT p50/p90/p99 ms | weight GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine | spec | overlap | batch | new tok | tok/s | step ms | AL | per-position | "
+             "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | weight GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         spec = "on" if r.get("speculative") else "off"
+        overlap = {True: "on", False: "off"}.get(r.get("overlap"), "-")
         al = _f(r.get("acceptance_length"), ".2f")
         pp = " ".join(f"{p:.2f}" for p in r.get("per_position_acceptance") or []) or "-"
         ttft = "/".join(_f(r["ttft_ms"][k]) for k in ("p50", "p90", "p99")) if "ttft_ms" in r else "-"
         tpot = "/".join(_f(r["tpot_ms"][k], ".2f") for k in ("p50", "p90", "p99")) if "tpot_ms" in r else "-"
         bw = _f(r.get("achieved_weight_gbps"), ".0f")
-        lines.append(f"| {r['engine']} | {spec} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.1f} | "
-                     f"{al} | {pp} | {ttft} | {tpot} | {bw} |")
+        lines.append(f"| {r['engine']} | {spec} | {overlap} | {r['batch']} | {r['new_tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | {_f(r.get('step_ms'), '.3f')} | {al} | {pp} | {ttft} | {tpot} | {bw} |")
     for k, v in meta.items():
         if k.endswith("_error"):  # a baseline that could not run
             msg = (str(v).splitlines() or [""])[0].replace("|", "/")[:200]
-            lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | |")
+            lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | | | |")
     if result.get("ratios"):
         lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.2f}x |" for k, v in result["ratios"].items()]
@@ -69,7 +70,8 @@ def write_outputs(out: Path, result: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict = {}
     for r in result["rows"]:
-        name = r["engine"] + (" + spec" if r.get("speculative") else "")
+        name = r["engine"] + (" + spec" if r.get("speculative") else "") + (" (no overlap)" if r.get("overlap") is
+                                                                           False else "")
         series.setdefault(name, []).append((r["batch"], r["tokens_per_s"]))
     for name, pts in series.items():
         pts.sort()

@@ -51,6 +51,7 @@ class BenchConfig:
     compare: list[str] = field(default_factory=list)  # hf, hf-compile
     enforce_eager: bool = False
     async_output: bool | None = None  # None: the engine's default (on CUDA)
+    overlap: str = "on"  # the overlap scheduler: on | off | both (each engine run with it, then without)
     kv_cache_memory_bytes: int | None = None
     chat_template: bool = True
     seed: int = 0
@@ -58,8 +59,9 @@ class BenchConfig:
     out: str | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative not in ("on", "off", "both"):
-            raise ValueError(f"--speculative must be on, off or both, got {self.speculative!r}")
+        for name in ("speculative", "overlap"):
+            if getattr(self, name) not in ("on", "off", "both"):
+                raise ValueError(f"--{name} must be on, off or both, got {getattr(self, name)!r}")
         bad = [c for c in self.compare if c not in ("hf", "hf-compile")]
         if bad:
             raise ValueError(f"--compare takes hf and/or hf-compile, got {bad}")
@@ -127,7 +129,7 @@ def median_rounds(rows: list[dict]) -> list[dict]:
     tokens/s in ``round_tokens_per_s`` (in round order). One round: the rows as they are."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["speculative"], r["batch"]), []).append(r)
+        groups.setdefault((r["speculative"], r.get("overlap"), r["batch"]), []).append(r)
     out = []
     for group in groups.values():
         med = dict(sorted(group, key=lambda r: r["tokens_per_s"])[len(group) // 2])
@@ -137,14 +139,15 @@ def median_rounds(rows: list[dict]) -> list[dict]:
     return out
 
 
-def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "") -> list[dict]:
+def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
+                    overlap: bool = True) -> list[dict]:
     from specserve import LLM, SamplingParams
     from specserve.bench.steps import target_read_bytes
     from specserve.core.metrics import SpecStats
 
     max_b = max(cfg.batch_sizes)
     kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
-              async_output=cfg.async_output,
+              async_output=cfg.async_output, overlap_scheduler=overlap,
               max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
               max_cuda_graph_batch_size=max_b)
     if cfg.kv_cache_memory_bytes:
@@ -152,7 +155,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     if spec:
         kw["speculative_config"] = _spec_config(cfg)
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
-    bar = _progress(f"specserve spec={'on' if spec else 'off'}{label}", len(cfg.batch_sizes) * (cfg.repeats + 1))
+    bar = _progress(f"specserve spec={'on' if spec else 'off'}{'' if overlap else ' no overlap'}{label}",
+                    len(cfg.batch_sizes) * (cfg.repeats + 1))
     bar.set_postfix_str("loading")
     llm = LLM(cfg.model, **kw)
     eng = llm.engine
@@ -187,7 +191,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                 if o.timings().get("ttft_s") is not None and o.timings().get("queue_s") is not None]
         tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
         n_tok = sum(len(o.token_ids) for o in outs)
-        row = dict(engine="specserve", speculative=spec, batch=b, requests=len(batch),
+        row = dict(engine="specserve", speculative=spec, overlap=eng.overlap, batch=b, requests=len(batch),
                    new_tokens=round(n_tok / len(outs), 1),
                    seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
                    steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
@@ -327,10 +331,12 @@ def run_bench(cfg: BenchConfig) -> dict:
     rows: list[dict] = []
     prompt_ids, tok = _prompts_for(cfg, mcfg)
     eos = mcfg.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())  # as the engine
-    order = {"on": [True], "off": [False], "both": [False, True]}[cfg.speculative]
+    order = {"on": [True], "off": [False], "both": [False, True]}
     for i in range(cfg.rounds):  # alternately: every round runs each engine afresh
-        for spec in order:
-            rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1 else "")
+        for spec in order[cfg.speculative]:
+            for overlap in order[cfg.overlap][::-1]:
+                rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1
+                                        else "", overlap=overlap)
     rows = median_rounds(rows)
     extras: dict = {}
     for c in cfg.compare:
@@ -412,9 +418,20 @@ def _device_name(dev: torch.device) -> str:
 
 
 def _ratios(rows: list[dict]) -> dict:
-    """tokens/s ratios at each batch size: specserve (plain and speculative) over each baseline."""
-    by = {(r["engine"], r["speculative"], r["batch"]): r["tokens_per_s"] for r in rows}
+    """tokens/s ratios at each batch size: specserve (plain and speculative) over each baseline, and the overlap
+    scheduler's gain where it ran both ways."""
     out: dict = {}
+    both = {(r["speculative"], r.get("overlap", True), r["batch"]): r for r in rows if r["engine"] == "specserve"}
+    for (spec, overlap, b), r in both.items():
+        off = both.get((spec, False, b))
+        if overlap and off is not None:
+            name = f"{'specserve+spec' if spec else 'specserve'} overlap on / off @ batch {b}"
+            out[name] = r["tokens_per_s"] / off["tokens_per_s"]
+            if "round_tokens_per_s" in r:
+                each = sorted(x / y for x, y in zip(r["round_tokens_per_s"], off["round_tokens_per_s"]))
+                out[f"{name}, median of {len(each)} rounds"] = statistics.median(each)
+    rows = [r for r in rows if r.get("overlap", True)]  # the baselines' ratios: the default engines
+    by = {(r["engine"], r["speculative"], r["batch"]): r["tokens_per_s"] for r in rows}
     for (eng, spec, b), tps in by.items():
         if eng != "specserve":
             continue

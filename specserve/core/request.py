@@ -69,6 +69,8 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.spec_token_ids: list[int] = []  # drafts proposed by the last step, verified by the next
+        # overlap scheduler: its row (a ``ScheduledRequest``) in the latest step launched and not yet collected
+        self.in_flight = None
         self.spec_stats = SpecStats()
         # thinking phase after the last known token (relaxed acceptance): the last begin/end token wins
         self.thinking_tokens = thinking_tokens

@@ -66,14 +66,16 @@ class LLMEngine:
         runner_kwargs = dict(max_model_len=config.max_model_len, cuda_graph_max_rows=config.cuda_graph_max_rows,
                              capture_graphs=not config.enforce_eager,
                              attention_backend=config.attention_backend,
-                             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens)
+                             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                             overlap=config.overlap_scheduler, max_num_seqs=config.scheduler_config.max_num_seqs)
         speculator = None
         if self.head is not None:  # the head's KV layers follow the target's in the one KV tensor
             head_kv = self.kv_cache.layer_views()[cfg.num_hidden_layers:kv_layers]
             speculator = Speculator(self.model, self.head, head_kv, self.spec_config, self.kv_cache.block_size,
                                     self.thinking_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, speculator=speculator, **runner_kwargs)
-        self.async_output = config.async_output
+        self.overlap = config.overlap_scheduler
+        self.async_output = config.async_output or self.overlap  # overlap reports a step one call late too
         self._in_flight = None  # the step launched and not yet collected (``async_output``)
         self._error: Exception | None = None  # a failed launch after a collected step, raised by the next step()
         self.spec_stats = SpecStats()
@@ -146,7 +148,9 @@ class LLMEngine:
             self.scheduler.finish(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests not finished, or a step not yet collected (under the overlap scheduler, one may hold only rows
+        of requests that have ended since it was launched)."""
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,33 +163,49 @@ class LLMEngine:
         With ``async_output`` the step is left running on the device when this returns: the next call waits
         for it, appends its tokens, schedules and launches the step after it, and only then detokenizes and
         builds the outputs of the one it waited for, while the device runs the new one (the host's output work
-        hidden behind the device; nothing is launched before the tokens it depends on are known, so the tokens
-        are the same). A call then reports the step launched by the call before it."""
+        hidden behind the device). A call then reports the step launched by the call before it.
+
+        With the overlap scheduler the next step is scheduled and launched before the running one is waited for:
+        its rows that continue that step are scheduled as if it accepted every draft and corrected on the device
+        (``Scheduler._view``, ``runner/overlap.py``); the running step is then collected, which sets the new
+        step's rows to their true start and drafts (``ScheduledRequest.rebase``) and drops the rows of requests
+        it finished. Outputs are those of synchronous steps (``tests/test_overlap.py``)."""
         if self._error is not None:  # the launch after the last collected step failed
             err, self._error = self._error, None
             raise err
         pending, self._in_flight = self._in_flight, None
-        done = self._collect(pending) if pending is not None else []
+        done = []
+        if pending is not None and not (self.overlap and self.runner.can_overlap(len(self.scheduler.running))):
+            done, pending = self._collect(pending), None
+        error = None
         try:
             batch = self.scheduler.schedule()
             if not batch.empty:
                 self.num_steps += 1
                 launched = self.runner.launch(batch)
+                if self.overlap:
+                    for s in batch.scheduled:
+                        s.request.in_flight = s
                 if self.async_output:
                     self._in_flight = launched
                 else:
                     done += self._collect(launched)
         except Exception as e:  # report what was collected (requests it finished are done); raise on the next call
+            error = e
+        if pending is not None:
+            done += self._collect(pending)
+        if error is not None:
             if not done:
-                raise
-            self._error = e
+                raise error
+            self._error = error
         return [self._report(*x) for x in done]
 
     def _collect(self, launched) -> list[tuple[Request, list[int], int, int]]:
         """Wait for a launched step and apply its tokens: appended in order (nothing after the token that ends a
-        request), finished requests released, the next drafts kept. What the next schedule depends on is done
-        here; the rest (detokenizing without stop strings, outputs, statistics) waits for ``_report``. ->
-        (request, tokens appended, drafts verified, drafts accepted) per sampling row."""
+        request), finished requests released, the next drafts kept, and the rows of a step launched since that
+        continue these set to their true start and drafts (or dropped, where the request ended). What the next
+        schedule depends on is done here; the rest (detokenizing without stop strings, outputs, statistics) waits
+        for ``_report``. -> (request, tokens appended, drafts verified, drafts accepted) per sampling row."""
         batch = launched.batch
         done = []
         for entry, res in self.scheduler.update(batch, self.runner.collect(launched)):
@@ -204,10 +224,20 @@ class LLMEngine:
             # drafts that could only land past the request's last allowed token are not verified
             room = max(0, req.max_total_tokens - req.num_tokens - 1)
             req.spec_token_ids = [] if req.finished else res.drafts[:room]
+            after = req.in_flight  # its row in a step launched since (overlap scheduler)
+            if after is not None and after is not entry:
+                if req.finished:
+                    after.discard = True
+                elif after.after is entry:
+                    after.rebase()
             if req.finished:
+                req.in_flight = None
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
             done.append((req, appended, entry.num_drafts, res.num_accepted))
+        for s in batch.scheduled:
+            if s.request.in_flight is s:
+                s.request.in_flight = None
         return done
 
     def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int) -> RequestOutput:

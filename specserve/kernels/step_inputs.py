@@ -1,4 +1,5 @@
-"""A graph step's inputs from its record (``specserve.runner.graph_inputs``) in one kernel.
+"""A graph step's inputs from its record (``specserve.runner.graph_inputs``) in one kernel; under the overlap scheduler
+one more kernel before it corrects the rows that continue the step in flight (``correct_record``).
 
 Per row: positions, cache slots, flat indices, row / column of every token and the row's last token; for
 speculation also the verified positions, the drafts, the draft loop's token table and the acceptance flags
@@ -46,6 +47,68 @@ def expand_record_ref(start, count, nd, tokens, tables, block_size: int, draft_l
     return out
 
 
+def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: torch.Tensor, draft_len: int,
+                   thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+    """Inside a generation step under the overlap scheduler, before its record is expanded: the rows that continue
+    the step in flight (``src`` >= 0, ``runner/overlap.py``) corrected in place from that step's result rows
+    ``carry`` [columns + 1, C] (``StepCarry.buf``). ``f``: the record's device views (start,
+    count, offsets, src [B]; speculating num_drafts, prev_nd, room, cap [B], flags [4 * B]); tokens [B, q], q = 1
+    + D. Plain: the token is the sampled one. Speculating: a = accepted of prev_nd, delta = prev_nd - a; start and
+    offsets move back by delta; num_drafts = min(clamp(room + delta, 0, D), cap); tokens = the bonus (the a-th
+    emitted token), then the drafts; the thinking phase follows the emitted tokens (the last begin / end token
+    wins)."""
+    src = f["src"]
+    dep = src >= 0  # [B]
+    c = carry[src.clamp(min=0)]  # [B, C]
+    if not draft_len:
+        tokens[:, 0] = torch.where(dep, c[:, 0], tokens[:, 0])
+        return
+    d = draft_len
+    a = c[:, 0].clamp(0, d)  # [B]
+    delta = torch.where(dep, f["prev_nd"] - a, 0)  # [B]
+    nd = torch.where(dep, torch.minimum((f["room"] + delta).clamp(0, d), f["cap"]), f["num_drafts"])  # [B]
+    emitted = c[:, 1:d + 2]  # [B, D+1]
+    k = torch.arange(d, device=tokens.device)
+    new = torch.cat([emitted.gather(1, a[:, None]), torch.where(k < nd[:, None], c[:, d + 2:], 0)], 1)  # [B, D+1]
+    tokens[:, :d + 1] = torch.where(dep[:, None], new, tokens[:, :d + 1])
+    f["start"].sub_(delta)
+    f["offsets"].sub_(delta)
+    f["count"].copy_(torch.where(dep, 1 + nd, f["count"]))
+    f["num_drafts"].copy_(nd)
+    begin, end = thinking_tokens
+    if begin >= 0 or end >= 0:
+        flags = f["flags"].view(4, -1)
+        j = torch.arange(d + 1, device=tokens.device)
+        valid = j <= a[:, None]  # [B, D+1]: the emitted tokens
+        last_b = torch.where(valid & (emitted == begin), j, -1).amax(1)
+        last_e = torch.where(valid & (emitted == end), j, -1).amax(1)
+        th = torch.where(last_b > last_e, 1, torch.where(last_e > last_b, 0, flags[3]))
+        flags[3] = torch.where(dep, th, flags[3])
+
+
+def correct_record(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: torch.Tensor, draft_len: int,
+                   thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+    """As ``correct_record_ref``, in one kernel on CUDA."""
+    if not use_triton(tokens) or not kernel_usable("correct_record"):
+        return correct_record_ref(f, tokens, carry, draft_len, thinking_tokens)
+    b, q = tokens.shape
+    d = draft_len
+    spec = d > 0
+    src = f["src"]
+    none = src  # a pointer the kernel never reads where an input is absent (a plain step)
+    begin, end = thinking_tokens
+    try:
+        _correct_record_kernel[(b,)](
+            src, tokens, carry, f["start"] if spec else none, f["count"] if spec else none,
+            f["num_drafts"] if spec else none, f["offsets"] if spec else none, f["prev_nd"] if spec else none,
+            f["room"] if spec else none, f["cap"] if spec else none, f["flags"] if spec else none, b, q,
+            carry.shape[1], SPEC=spec, D=d, D_BLOCK=triton.next_power_of_2(d + 1), BEGIN=begin, END=end,
+            THINK=spec and (begin >= 0 or end >= 0))
+    except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
+        kernel_failed("correct_record", e)
+        correct_record_ref(f, tokens, carry, draft_len, thinking_tokens)
+
+
 def expand_record(start, count, nd, tokens, tables, block_size: int, draft_len: int | None = None,
                   flags: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """As ``expand_record_ref``, in one kernel on CUDA."""
@@ -80,6 +143,37 @@ def expand_record(start, count, nd, tokens, tables, block_size: int, draft_len: 
 
 
 if HAVE_TRITON:
+    @triton.jit
+    def _correct_record_kernel(SRC, TOK, CARRY, START, COUNT, ND, OFFSETS, PREV, ROOM, CAP, FLAGS, B, Q, C,
+                               SPEC: tl.constexpr, D: tl.constexpr, D_BLOCK: tl.constexpr, BEGIN: tl.constexpr,
+                               END: tl.constexpr, THINK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        src = tl.load(SRC + r)
+        if src >= 0:
+            row = CARRY + src * C
+            if SPEC:
+                a = tl.minimum(tl.maximum(tl.load(row), 0), D)
+                delta = tl.load(PREV + r) - a
+                nd = tl.minimum(tl.maximum(tl.load(ROOM + r) + delta, 0), D)
+                nd = tl.minimum(nd, tl.load(CAP + r))
+                j = tl.arange(0, D_BLOCK).to(tl.int64)
+                bonus = tl.load(row + 1 + a)
+                drafts = tl.load(row + D + 1 + j, mask=(j >= 1) & (j <= nd), other=0)  # column j: draft j - 1
+                tl.store(TOK + r * Q + j, tl.where(j == 0, bonus, drafts), mask=j <= D)
+                tl.store(START + r, tl.load(START + r) - delta)
+                tl.store(OFFSETS + r, tl.load(OFFSETS + r) - delta)
+                tl.store(COUNT + r, 1 + nd)
+                tl.store(ND + r, nd)
+                if THINK:
+                    emitted = tl.load(row + 1 + j, mask=j <= a, other=-1)
+                    last_b = tl.max(tl.where((emitted == BEGIN) & (j <= a), j, -1), axis=0)
+                    last_e = tl.max(tl.where((emitted == END) & (j <= a), j, -1), axis=0)
+                    th = tl.load(FLAGS + 3 * B + r)
+                    th = tl.where(last_b > last_e, 1, tl.where(last_e > last_b, 0, th))
+                    tl.store(FLAGS + 3 * B + r, th)
+            else:
+                tl.store(TOK + r * Q, tl.load(row))
+
     @triton.jit
     def _expand_record_kernel(START, COUNT, ND, TOK, TAB, FLAGS, LAY, LAST, INTS, VIDX, DRAFTS, EXT, BFLAGS,
                               B, Q, M, W, BS: tl.constexpr, PAD: tl.constexpr, Q_BLOCK: tl.constexpr,

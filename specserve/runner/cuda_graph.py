@@ -49,8 +49,11 @@ class CudaGraphs:
         """The graphs captured for ``layout`` (one per set of host switches), in capture order."""
         return [g for key, (g, _) in self._graphs.items() if key[0] == layout]
 
-    def run(self, key: Hashable, step: Callable[[], object]):
-        """Replay the graph of ``key`` (capturing ``step`` first if needed) and return its outputs."""
+    def run(self, key: Hashable, step: Callable[[], object], rerun: bool = True):
+        """Replay the graph of ``key`` (capturing ``step`` first if needed) and return its outputs. A capture
+        runs the step once eagerly first (the warm-up) and then replays it; with ``rerun`` False (a step that
+        changes its own inputs, as the overlap scheduler's correction does) the warm-up is the step's one run and
+        its outputs are returned."""
         self.steps += 1
         if not self.capture:
             return step()
@@ -64,7 +67,7 @@ class CudaGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                step()  # warm-up: Triton compilation, cuBLAS workspaces, lazy buffers
+                warm = step()  # warm-up: Triton compilation, cuBLAS workspaces, lazy buffers
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
@@ -72,5 +75,7 @@ class CudaGraphs:
             self._pool = graph.pool()
             entry = self._graphs[key] = (graph, out)
             log.debug("captured CUDA graph %s (%d in all)", key, len(self._graphs))
+            if not rerun:
+                return warm
         entry[0].replay()
         return entry[1]

@@ -45,16 +45,19 @@ class Record:
 
 
 def row_fields(sched, rows: int, q: int, block_size: int, lookahead: int) -> tuple[dict[str, list[int]], list]:
-    """The layout fields as Python lists — start, count, num_drafts [B]; tokens [B * q] — and each scheduled
-    row's block ids (as many as its step reaches; ``stage_record`` pads the table rows)."""
+    """The layout fields as Python lists — start, count, num_drafts [B]; tokens [B * q] (zeros for a row that
+    continues the step in flight, which the device corrects) — and each scheduled row's block ids (as many as its step reaches; ``stage_record`` pads the table rows)."""
     start, count, nd, tokens, tables = [], [], [], [], []
     for s in sched:
         req = s.request
-        known = s.num_tokens - s.num_drafts
-        tokens += req.token_ids[s.start:s.start + known]
-        if s.num_drafts:
-            tokens += req.spec_token_ids[:s.num_drafts]
-        tokens += [0] * (q - s.num_tokens)
+        if s.after is not None:  # continues the step in flight: its tokens come from that step, on the device
+            tokens += [0] * q
+        else:
+            known = s.num_tokens - s.num_drafts
+            tokens += req.token_ids[s.start:s.start + known]
+            if s.num_drafts:
+                tokens += req.spec_token_ids[:s.num_drafts]
+            tokens += [0] * (q - s.num_tokens)
         tables.append(req.block_ids[:min(len(req.block_ids), cdiv(s.start + s.num_tokens + lookahead, block_size))])
         start.append(s.start)
         count.append(s.num_tokens)

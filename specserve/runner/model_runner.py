@@ -18,12 +18,13 @@ import torch
 
 from specserve.cache.kv_cache import KVCache, PAD_BLOCK
 from specserve.config import cdiv
-from specserve.kernels.step_inputs import expand_record
+from specserve.kernels.step_inputs import correct_record, expand_record
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
+from specserve.runner.overlap import CarryCopy, StepCarry, output_offsets, overlap_fields
 from specserve.runner.sampler import (SAMPLING_FLOATS, SAMPLING_INTS, sample, sampling_columns, sampling_switches,
                                       sampling_tensors)
 from specserve.runner.staging import Staging
@@ -43,6 +44,7 @@ class Launched:
     batch: SchedulerOutput
     out: torch.Tensor | None  # its device output, copied back by ``collect``
     results: list[RowResult] | None = None  # already collected (a step run as several graph replays)
+    carry: CarryCopy | None = None  # overlap scheduler: its result rows on their way to the host
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
                  attention_backend: str = "auto", max_num_batched_tokens: int = 0,
-                 capture_graphs: bool = True, speculator: Speculator | None = None) -> None:
+                 capture_graphs: bool = True, speculator: Speculator | None = None, overlap: bool = False,
+                 max_num_seqs: int = 1) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_views = kv_cache.layer_views()[:model.config.num_hidden_layers]
@@ -173,9 +176,15 @@ class ModelRunner:
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
         q = self.generation_q
-        self._ints = Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 4),
-                                                       6 * max_num_batched_tokens) * 2)
-        self._floats = Staging(torch.float32, device, 8 * rows)
+        # overlap scheduler: the host stages a step while the device may not yet have copied the last one's inputs
+        # (a step of several graph replays stages several records), so the host buffers are used in turn
+        self.overlap = overlap
+        ring = 4 if overlap else 1
+        self._ints = Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 9),
+                                                       6 * max_num_batched_tokens) * 2, ring=ring)
+        self._floats = Staging(torch.float32, device, 8 * rows, ring=ring)
+        d = spec.draft_len if spec is not None else 0
+        self.carry = StepCarry(max_num_seqs, 2 * d + 2 if spec is not None else 1, device) if overlap else None
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
@@ -207,11 +216,14 @@ class ModelRunner:
         la = self.table_lookahead
         m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
         spec = self.speculator
-        samplers = [s.request for s in sched if s.sample or spec is not None]
+        rows = [s for s in sched if s.sample or spec is not None]  # rows with results
+        samplers = [s.request for s in rows]
         ns = len(samplers)
         shapes = dict(input_ids=(t,), positions=(t,), slots=(t,), flat=(t,), tables=(b, m), query_index=(b, q),
                       query_pos=(b, q), logits_indices=(0 if spec is not None else ns,),
                       **{k: (ns,) for k in SAMPLING_INTS})
+        if self.overlap:
+            shapes["result_rows"] = (ns,)
         fshapes = {k: (ns,) for k in SAMPLING_FLOATS}
         if spec is not None:
             more, fmore = spec.packed_shapes(b, q)
@@ -247,6 +259,8 @@ class ModelRunner:
         si, sf = sampling_columns(samplers, ns, self.vocab_size)
         for k, v in (*si.items(), *sf.items()):
             (a if k in si else f)[k][:] = v
+        if self.overlap:
+            a["result_rows"][:] = [s.column for s in rows]
         if spec is None and ns:  # each sampling row's last token
             a["logits_indices"][:] = (first + counts - 1)[np.fromiter((s.sample for s in sched), bool, b)]
         switches = StepSwitches(*sampling_switches(samplers))
@@ -268,7 +282,7 @@ class ModelRunner:
         )
         sampling = sampling_tensors(st.samplers, {**a, **f}) if st.samplers else None
         batch = StepBatch(input_ids=a["input_ids"], positions=a["positions"], meta=meta,
-                          logits_indices=a["logits_indices"], sampling=sampling)
+                          logits_indices=a["logits_indices"], sampling=sampling, result_rows=a.get("result_rows"))
         if self.speculator is not None:
             batch.spec = self.speculator.packed_inputs(a, f, sampling, a["flat"], st.q, st.switches, st.host_rows)
         return batch
@@ -285,6 +299,12 @@ class ModelRunner:
         last = self._last_record
         # the same requests in the same layout as the step before, nothing else staged since: their parameters are
         # in the buffer already, and only the fields that change per step are rewritten
+        if self.overlap:  # the host buffers are used in turn: each record is staged whole
+            floats: dict[str, list[float]] = {}
+            switches = self._record_params(sched, b, ints, floats)
+            ints["offsets"] = output_offsets(sched, b)
+            ints.update(overlap_fields(sched, b, self.generation_q - 1, self.carry.scratch))
+            return stage_record(self._ints, sched, b, q, m, ints, tables, floats), switches
         if (last is not None and last.layout == layout and last.version == self._ints.version
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
             ints.update(self._restaged_params(sched, b, last.ints))
@@ -326,10 +346,14 @@ class ModelRunner:
                     host_rows: list | None = None) -> StepBatch:
         """Inside a graph step: the record's upload, its device views, what the device derives from them
         (``expand_record``) -> the step's inputs (``host_rows``: the scheduled rows, for test heads)."""
-        self._ints.upload(rec.size)  # captured with the step
+        if not self.overlap:
+            self._ints.upload(rec.size)  # captured with the step
         f = record_views(self._ints, rec)
         b, q = rec.rows, rec.q
         spec = self.speculator
+        if self.overlap and not layout.prefill:  # rows that continue the step in flight, from its results
+            correct_record(f, f["tokens"].view(b, q), self.carry.buf, q - 1,
+                           spec.thinking_tokens if spec is not None else (-1, -1))
         tables = f["tables"].view(b, rec.table_width)
         more = {} if spec is None else dict(draft_len=spec.draft_len, flags=f["flags"].view(4, b))
         x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,
@@ -342,7 +366,7 @@ class ModelRunner:
         # every row of a graph step samples (padding rows as greedy dummies); with one token per row, row i's last
         # token is token i
         batch = StepBatch(input_ids=f["tokens"], positions=x["positions"].view(-1), meta=meta,
-                          logits_indices=None if q == 1 else x["last"], sampling=sampling)
+                          logits_indices=None if q == 1 else x["last"], sampling=sampling, result_rows=f.get("dst"))
         if spec is not None:
             batch.spec = spec.graph_inputs(f, x, sampling, switches, not layout.prefill, host_rows or [])
         return batch
@@ -357,6 +381,8 @@ class ModelRunner:
         generation rows with a few rows that end their prompts runs as several graph replays (``_split``): on
         the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites)."""
+        if self.overlap:
+            return self._launch_overlap(batch)
         layout = self.graph_layout(batch)
         groups = self._split(batch) if layout is None else None
         if groups is None:
@@ -372,11 +398,52 @@ class ModelRunner:
         """Wait for a launched step (the one device -> host copy) -> one result per scheduled request."""
         if step.results is not None:
             return step.results
+        sched = step.batch.scheduled
+        if step.carry is not None:  # result rows by column
+            rows = StepCarry.read(step.carry)
+            if self.speculator is not None:
+                return self.speculator.results(sched, rows)
+            return [RowResult([rows[i][0]] if s.sample else []) for i, s in enumerate(sched)]
         values = self._copy_back(step.out) if step.out is not None else []
         if self.speculator is not None:
-            return self.speculator.results(step.batch.scheduled, values)
+            return self.speculator.results(sched, zip(*values))
         tokens = iter(values)
-        return [RowResult([next(tokens)] if s.sample else []) for s in step.batch.scheduled]
+        return [RowResult([next(tokens)] if s.sample else []) for s in sched]
+
+    def can_overlap(self, running: int) -> bool:
+        """Overlap scheduler: whether a step can be launched before the step in flight is collected, with at most
+        ``running`` rows continuing it (they need a graph layout, where the device corrects them)."""
+        return self.overlap and self.graphs is not None and self.graphs.padded_rows(running) is not None
+
+    def overlap_groups(self, batch: SchedulerOutput) -> list[tuple[list[int], GraphLayout | None]] | None:
+        """Overlap scheduler: a step's rows as (row indices, graph layout or None for packed) groups, the
+        generation rows' group first (they read the step in flight's results, which the groups after it
+        overwrite), or None when its generation rows fit no graph (the engine then collects the step in flight
+        first: only a graph step corrects its rows on the device)."""
+        every = list(range(len(batch.scheduled)))
+        layout = self.graph_layout(batch)
+        if layout is not None:
+            return [(every, layout)]
+        gen = [i for i in every if self._generation_row(batch.scheduled[i])]
+        if self.graphs is None or (gen and self.graphs.padded_rows(len(gen)) is None):
+            return None if any(batch.scheduled[i].after is not None for i in gen) else [(every, None)]
+        pre = [i for i in every if i not in set(gen)]
+        groups = [(gen, self.graph_layout(SchedulerOutput([batch.scheduled[i] for i in gen])))] if gen else []
+        one = [self._prefill_layout(SchedulerOutput([batch.scheduled[i]])) for i in pre]
+        if len(pre) <= self.max_split_prefills and all(lay is not None for lay in one):
+            return groups + [([i], lay) for i, lay in zip(pre, one)]
+        return groups + [(pre, None)]
+
+    def _launch_overlap(self, batch: SchedulerOutput) -> Launched:
+        """Queue a step whose rows may continue the step in flight (``overlap_groups``); every group writes its
+        result rows into the carry, which one copy brings back (``collect``)."""
+        groups = self.overlap_groups(batch)
+        if groups is None:
+            raise RuntimeError("a step continuing the step in flight needs a graph layout (collect that step first)")
+        for rows, layout in groups:
+            sub = batch if len(rows) == len(batch.scheduled) else SchedulerOutput([batch.scheduled[i] for i in rows])
+            self._launch(sub, layout)
+        return Launched(batch, None, carry=self.carry.copy_back(len(batch.scheduled)))
 
     @torch.inference_mode()
     def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None) -> torch.Tensor | None:
@@ -386,8 +453,11 @@ class ModelRunner:
             return self.step(self.prepare(batch))
         # a replay reads the staged record in place: the step's inputs are built only to capture
         rec, switches = self.stage_graph(batch, layout)
+        if self.overlap:  # from the ring's host buffer: not a node of the graph
+            self._ints.upload(rec.size)
         return self.graphs.run(self.graph_key(layout, switches, rec),
-                               lambda: self.step(self.graph_batch(rec, switches, layout, batch.scheduled)))
+                               lambda: self.step(self.graph_batch(rec, switches, layout, batch.scheduled)),
+                               rerun=not self.overlap)
 
     def step(self, batch: StepBatch) -> torch.Tensor | None:
         """inputs -> target forward -> sample, or verify -> accept -> draft; all on the device -> the sampled
@@ -396,13 +466,17 @@ class ModelRunner:
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_views,
                                  aux_layers=self.aux_layers)
         if batch.spec is not None:
-            return self.speculator.step(self.model, batch, hidden, aux)
-        if batch.sampling is None:
+            out = self.speculator.step(self.model, batch, hidden, aux)
+        elif batch.sampling is None:
             return None
-        # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
-        logits_fn = self.model.lm_logits if batch.sampling.all_greedy else self.model.compute_logits
-        rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]  # [S, H]
-        return sample(logits_fn(rows), batch.sampling)  # logits [S, V]
+        else:
+            # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
+            logits_fn = self.model.lm_logits if batch.sampling.all_greedy else self.model.compute_logits
+            rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]  # [S, H]
+            out = sample(logits_fn(rows), batch.sampling)  # logits [S, V]
+        if batch.result_rows is not None:
+            self.carry.publish(out, batch.result_rows)
+        return out
 
     def _copy_back(self, out: torch.Tensor) -> list:
         """The step's one device -> host copy; it waits for the stream, so every upload has run too."""

@@ -50,6 +50,8 @@ class StepBatch:
     logits_indices: torch.Tensor | None
     sampling: SamplingTensors | None  # [S] rows; None when no row samples (or, speculating, inside ``spec``)
     spec: SpecInputs | None = None  # None for a plain step
+    # overlap scheduler: each result row's column in the runner's ``StepCarry`` ([B] speculating, [S] plain)
+    result_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

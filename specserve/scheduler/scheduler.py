@@ -6,6 +6,12 @@ token budget allows. A request samples a token in a step only when the step fini
 non-final prefill chunk samples nothing. Running requests go first (oldest first), then waiting ones;
 when the pool cannot hold the next slots, the newest running request is preempted: its blocks are
 freed and it goes back to the front of the queue to recompute prompt + output so far.
+
+Under the overlap scheduler a step is scheduled while the one before it still runs: a request with a row in that
+step (``Request.in_flight``) is scheduled as if the step accepted every draft (``_view``), and its new row says
+which row it continues (``after``) for the device to correct (``runner/overlap.py``); the engine sets the row's
+true start and draft count once the step before is collected (``rebase``). A request the step in flight is certain
+to finish (by length) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -29,6 +35,20 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step (known tokens, then ``num_drafts`` drafts)
     sample: bool  # the step reaches the end of the request's known tokens and samples the next one(s)
     num_drafts: int = 0  # drafts of the previous step verified in this one
+    column: int = -1  # index in its step's schedule
+    # the row of the step in flight this one continues (overlap scheduler): until that step is collected, start,
+    # num_tokens and num_drafts assume it accepted every draft
+    after: ScheduledRequest | None = None
+    discard: bool = False  # the request finished or was preempted before this row's step was collected
+
+    def rebase(self) -> None:
+        """The row it continues has been collected: start and drafts as the request now has them (the device
+        corrected the step's inputs to the same)."""
+        req = self.request
+        self.start = req.num_computed_tokens
+        self.num_drafts = len(req.spec_token_ids)
+        self.num_tokens = req.num_tokens - req.num_computed_tokens + self.num_drafts
+        self.after = None
 
 
 @dataclass
@@ -59,23 +79,47 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _view(self, req: Request) -> tuple[int, int, int, ScheduledRequest | None]:
+        """(computed, known, drafts, after): tokens in the KV cache, tokens known, drafts to verify, as they will
+        be after the step in flight if it accepts every draft; ``after`` its row when that row samples (the
+        device corrects the next row from its result)."""
+        e = req.in_flight
+        if e is None or e.discard:
+            return req.num_computed_tokens, req.num_tokens, len(req.spec_token_ids), None
+        computed = e.start + e.num_tokens
+        if not e.sample:  # a prompt chunk: nothing sampled, nothing to correct
+            return computed, req.num_tokens, 0, None
+        known = computed + 1  # accepted drafts and the bonus
+        return computed, known, min(self.cfg.max_draft_len, max(0, req.max_total_tokens - known - 1)), e
+
+    @staticmethod
+    def _ends_in_flight(req: Request) -> bool:
+        """The step in flight ends the request whatever it accepts (it reaches the request's last token)."""
+        e = req.in_flight
+        return (e is not None and not e.discard and e.sample
+                and e.start + e.num_tokens - e.num_drafts + 1 >= req.max_total_tokens)
+
     def _slots(self, req: Request, n: int) -> int:
-        end = req.num_computed_tokens + n
+        computed, known, _, _ = self._view(req)
+        end = computed + n
         # a step that reaches the end of the known tokens also writes the draft loop's slots past them
-        return end + (self.cfg.num_lookahead_slots if end >= req.num_tokens else 0)
+        return end + (self.cfg.num_lookahead_slots if end >= known else 0)
 
-    @staticmethod
-    def _need(req: Request) -> int:
+    def _need(self, req: Request) -> int:
         """Tokens to compute: the known ones not yet in the KV cache, plus drafts to verify."""
-        return req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids)
+        computed, known, drafts, _ = self._view(req)
+        return known - computed + drafts
 
-    @staticmethod
-    def _entry(req: Request, n: int) -> ScheduledRequest:
-        known = req.num_tokens - req.num_computed_tokens
-        return ScheduledRequest(req, req.num_computed_tokens, n, n >= known, max(0, n - known))
+    def _entry(self, req: Request, n: int, column: int) -> ScheduledRequest:
+        computed, known, _, after = self._view(req)
+        k = known - computed
+        return ScheduledRequest(req, computed, n, n >= k, max(0, n - k), column, after)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)
+        if req.in_flight is not None:  # its row in the step in flight is dropped when collected
+            req.in_flight.discard = True
+            req.in_flight = None
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
@@ -88,6 +132,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._ends_in_flight(req):
+                i += 1
+                continue
             n = min(self._need(req), budget)
             while not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
                 victim = self.running.pop()
@@ -97,7 +144,7 @@ class Scheduler:
                     break
             else:
                 self.pool.reserve(req.block_ids, self._slots(req, n))
-                out.scheduled.append(self._entry(req, n))
+                out.scheduled.append(self._entry(req, n, len(out.scheduled)))
                 budget -= n
                 i += 1
                 continue
@@ -114,7 +161,7 @@ class Scheduler:
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = time.perf_counter()
                 self.running.append(req)
-                out.scheduled.append(self._entry(req, n))
+                out.scheduled.append(self._entry(req, n, len(out.scheduled)))
                 budget -= n
         return out
 
@@ -125,6 +172,8 @@ class Scheduler:
         sampled, for the engine to append tokens in order."""
         sampled = []
         for s, r in zip(out.scheduled, results):
+            if s.discard:
+                continue
             s.request.num_computed_tokens += s.num_tokens - s.num_drafts + r.num_accepted
             if s.sample:
                 sampled.append((s, r))

@@ -118,6 +118,7 @@ class Speculator:
         self.spec = spec
         self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
         self.verifier = Verifier(spec, thinking_tokens)
+        self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
         self.drafter = Drafter(head, head_kv, block_size, d, model.rope.cos_cache.shape[0] - 1)
 
     @property
@@ -231,11 +232,12 @@ class Speculator:
         return res
 
     # -- host: the copied-back result ------------------------------------------------------------------------
-    def results(self, sched, values: list) -> list[RowResult]:
-        """The step's rows [1 + (D+1) + D, B] as copied back -> per request: emitted tokens, drafts, counts."""
+    def results(self, sched, rows) -> list[RowResult]:
+        """The step's result per row ([1 + (D+1) + D] each: accepted count, emitted tokens, drafts), as copied
+        back -> per request: emitted tokens, drafts, counts."""
         d = self.draft_len
         out = []
-        for s, row in zip(sched, zip(*values)):
+        for s, row in zip(sched, rows):
             if not s.sample:
                 out.append(RowResult([]))
                 continue
