@@ -28,6 +28,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   bars         every batch-1 bar in one run: 8 chat prompts, exactly 256 tokens each, plain, EAGLE-3,
                transformers eager and static cache + compile; 500 s
   throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
+  overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
+               ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
+               per step with; 420 s
   scale1       Llama-3.1-8B shapes (random weights and head, FORCED acceptance 1.64), batch 1, with the
                decode / verify / draft-loop step replays against the roofline (the 8B bars); 200 s
   scaleall     the same at batches 1 8 32 64 (FORCED 1.60); 300 s
@@ -186,6 +189,9 @@ for st in "$@"; do
     throughput) need_model && bench "$(lim 120)" --model $M --draft $HEAD --draft-len 4 \
                   --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput \
                   | tail -16 ;;
+    overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
+               --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" \
+               --steps 1 --out $OUT/overlap | tail -40 ;;
     scale1) bench "$(lim 200)" --model random:llama-3.1-8b --draft random --draft-len 4 \
               --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 --max-tokens 128 \
               --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 | tail -30 ;;

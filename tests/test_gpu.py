@@ -73,3 +73,30 @@ def test_cuda_speculation_is_lossless(tmp_path_factory, method, modules):
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert llm.engine.spec_stats.num_verify_steps > 0
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+@pytest.mark.parametrize("method", [None, "eagle3", "mtp"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, method, dtype):
+    """Captured graphs whose rows are corrected on the device from the step before (the overlap scheduler, on by
+    default on CUDA) give the tokens of the synchronous engine, greedy and seeded, with requests joining running
+    ones and ending on stop tokens."""
+    from tiny_models import make_head
+
+    d = tmp_path_factory.mktemp(f"overlap_gpu_{method}")
+    make_hf_model(d / "t", "llama", initializer_range=0.4, num_hidden_layers=4)
+    spec = None
+    if method is not None:
+        make_head(d / "h", d / "t", method, draft_vocab=150)
+        spec = dict(method=method, draft_model=str(d / "h"), max_draft_len=3)
+    prompts = PROMPTS * 3
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=12 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(str(d / "t"), device="cuda", dtype=dtype, speculative_config=spec, max_num_seqs=4,
+                  kv_cache_memory_bytes=1 << 26, overlap_scheduler=overlap)
+        outs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.overlap is overlap and llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert outs[True] == outs[False]
