@@ -49,7 +49,23 @@ def _llm(dirs, spec: str | None, overlap: bool, graph_rows: int = 8, **kw) -> LL
         return launch(batch)
 
     runner.launch = counting
+    if runner.speculator is not None:  # what the device verified, by row, to check against the host's rows
+        runner.device_rows = []
+        step = runner.speculator.step
+
+        def recording(model, batch, hidden, aux):
+            sp = batch.spec
+            runner.device_rows += zip(sp.host_rows, sp.start.tolist(), sp.num_drafts.tolist())
+            return step(model, batch, hidden, aux)
+
+        runner.speculator.step = recording
     return llm
+
+
+def _assert_device_rows_match_host(llm: LLM) -> None:
+    """Every row the device ran (after its correction) started and verified as the host has it once rebased."""
+    rows = [(s, start, nd) for s, start, nd in llm.engine.runner.device_rows if not s.discard]
+    assert rows and all(s.after is None and (s.start, s.num_drafts) == (start, nd) for s, start, nd in rows)
 
 
 def _params(stop: str) -> list[SamplingParams]:
@@ -81,6 +97,8 @@ def _compare(dirs, spec, n, long: bool = False, **kw):
     if spec != "no-spec" and exact:
         assert llm.engine.spec_stats.as_dict() == sync.engine.spec_stats.as_dict()  # each verified draft once
     assert llm.engine.runner.continued > 0
+    if spec != "no-spec":
+        _assert_device_rows_match_host(llm)
     pool = llm.engine.pool
     assert pool.num_free == pool.num_usable and llm.engine._in_flight is None
     return got
@@ -170,6 +188,7 @@ def test_partial_acceptance_is_corrected_on_the_device(dirs, right):
         llm.engine.runner.speculator.drafter.head = head
         assert [o.token_ids for o in llm.generate(PROMPTS[:3], greedy)] == ref
         stats.append(llm.engine.spec_stats.as_dict())
+        _assert_device_rows_match_host(llm)
     assert stats[0] == stats[1]
     assert stats[1]["accepted"] == pytest.approx(min(right, 3) * stats[1]["verify_steps"], abs=9)
 
@@ -222,3 +241,26 @@ def test_overlap_is_on_by_default_on_cuda_only():
     assert EngineArgs(device="cpu", overlap_scheduler=True).create_engine_config().overlap_scheduler is True
     with pytest.raises(ValueError, match="overlap_scheduler"):
         EngineArgs(device="cpu", overlap_scheduler="yes").create_engine_config()
+
+
+def test_the_thinking_phase_follows_tokens_the_host_has_not_seen(tmp_path):
+    """Relaxed acceptance in a thinking phase opened and closed by tokens 4 and 5 of an 8-token vocabulary (both
+    emitted often): a row's phase is corrected on the device from the tokens the step before emitted, so the
+    relaxed acceptances, and with them the tokens, equal the synchronous engine's."""
+    make_hf_model(tmp_path / "t", "llama", vocab_size=8, initializer_range=0.3, num_hidden_layers=2)
+    make_head(tmp_path / "h", tmp_path / "t", "mtp", num_modules=1, seed=5)
+    cfg = dict(method="mtp", draft_model=str(tmp_path / "h"), max_draft_len=3,
+               use_relaxed_acceptance_for_thinking=True, relaxed_topk=3, relaxed_delta=0.3,
+               begin_thinking_phase_token=4, end_thinking_phase_token=5)
+    prompts = [{"prompt_token_ids": p} for p in ([3, 4, 1, 6, 2, 7, 1, 1, 2], [4, 5, 6, 6, 1, 3, 2], [1, 2, 3, 4])]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs, stats = [], []
+    for overlap in (False, True):
+        llm = LLM(str(tmp_path / "t"), device="cpu", dtype="float32", num_kv_blocks=64, speculative_config=cfg,
+                  async_output=True, overlap_scheduler=overlap)
+        llm.engine.runner.graphs = CudaGraphs(4, llm.engine.runner._staging_buffers(), capture=False)
+        outs.append([o.token_ids for o in llm.generate(prompts, sp)])
+        stats.append(llm.engine.spec_stats.as_dict())
+    assert outs[0] == outs[1] and stats[0] == stats[1]
+    emitted = [t for o in outs[1] for t in o]
+    assert emitted.count(4) > 3 and emitted.count(5) > 3  # the phase opens and closes inside the outputs
