@@ -71,6 +71,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "heads: eagle3, or mtp for its MTP-Eagle head)")
     sp.add_argument("--draft-len", type=int, default=s.max_draft_len,
                     help="D, drafts proposed per step (speculative_config max_draft_len)")
+    sp.add_argument("--topk", "--eagle-topk", type=int, default=s.topk,
+                    help="dynamic draft trees: children a node expands at each of the --draft-len depths (1: a "
+                         "chain of drafts)")
+    sp.add_argument("--max-total-draft-tokens", type=int, default=None,
+                    help="nodes of a draft tree the target verifies (default: topk x draft-len, at most 63)")
     sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
                     help="MTP: run one module D times (default when the head has fewer modules than D)")
     sp.add_argument("--relaxed-acceptance", action="store_true",
@@ -106,14 +111,16 @@ def engine_args(a: argparse.Namespace):
         s = SpeculativeConfig()
         given = [f for f, v, d in (("--method", a.method, None), ("--draft-len", a.draft_len, s.max_draft_len),
                                    ("--mtp-eagle", a.mtp_eagle, None), ("--relaxed-acceptance", a.relaxed_acceptance,
-                                                                        False),
+                                                                        False), ("--topk", a.topk, s.topk),
+                                   ("--max-total-draft-tokens", a.max_total_draft_tokens, None),
                                    ("--forced-acceptance", a.forced_acceptance, None)) if v != d]
         if given:
             raise ValueError(f"{', '.join(given)} set but speculation is off ("
                              + ("--no-spec" if a.no_spec else "this model has no shipped head: give --draft") + ")")
     spec = None
     if draft is not None and not a.no_spec:
-        spec = dict(method=a.method, draft_model=draft, max_draft_len=a.draft_len,
+        spec = dict(method=a.method, draft_model=draft, max_draft_len=a.draft_len, topk=a.topk,
+                    max_total_draft_tokens=a.max_total_draft_tokens,
                     forced_acceptance=a.forced_acceptance, use_relaxed_acceptance_for_thinking=a.relaxed_acceptance,
                     relaxed_topk=a.relaxed_topk, relaxed_delta=a.relaxed_delta,
                     begin_thinking_phase_token=_token_arg(a.begin_thinking_token),

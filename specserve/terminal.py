@@ -17,7 +17,7 @@ _FLAGS = {"max_draft_len": "--draft-len", "draft_model": "--draft", "kv_cache_me
           "num_blocks": "--num-kv-blocks", "use_relaxed_acceptance_for_thinking": "--relaxed-acceptance",
           "begin_thinking_phase_token": "--begin-thinking-token", "end_thinking_phase_token": "--end-thinking-token",
           "async_output": "--disable-async-output-proc", "overlap_scheduler": "--disable-overlap-scheduler",
-          "max_num_seqs": "--max-num-seqs"}
+          "max_num_seqs": "--max-num-seqs", "topk": "--topk"}
 
 
 def cli_error(e: Exception) -> str:

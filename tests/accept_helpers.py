@@ -1,6 +1,9 @@
-"""Building ``AcceptInputs`` for hand-built acceptance tests."""
+"""Building ``AcceptInputs`` for hand-built acceptance tests, and the chi-square test of two samples."""
 
 from __future__ import annotations
+
+import math
+from collections import Counter
 
 import torch
 
@@ -29,3 +32,25 @@ def inputs(b: int, can=None, temperature=0.0, seeds=None, offsets=None, relaxed=
 
 def greedy_inputs(b: int, can=None) -> AcceptInputs:
     return inputs(b, can=can)
+
+
+def chi2_homogeneity(a: Counter, b: Counter, min_count: int = 10) -> tuple[float, int]:
+    keys = set(a) | set(b)
+    big = [k for k in keys if a[k] + b[k] >= min_count]
+    cells = [(a[k], b[k]) for k in big]
+    cells.append((sum(a[k] for k in keys if k not in big), sum(b[k] for k in keys if k not in big)))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        if tot == 0:
+            continue
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    return stat, len(cells) - 1
+
+
+def chi2_critical(dof: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from accept_helpers import inputs
+from accept_helpers import chi2_critical, chi2_homogeneity, inputs
 from specserve import LLM, SamplingParams
 from specserve.core.request import Request
 from specserve.speculative.accept import accept, thinking_states
@@ -145,28 +145,6 @@ def test_thinking_state_follows_prompt_and_output_in_order():
 
 # ---------------------------------------------------------------------------------------------
 # distributions through the engine
-
-
-def chi2_homogeneity(a: Counter, b: Counter, min_count: int = 10) -> tuple[float, int]:
-    keys = set(a) | set(b)
-    big = [k for k in keys if a[k] + b[k] >= min_count]
-    cells = [(a[k], b[k]) for k in big]
-    cells.append((sum(a[k] for k in keys if k not in big), sum(b[k] for k in keys if k not in big)))
-    na, nb = sum(a.values()), sum(b.values())
-    stat = 0.0
-    for x, y in cells:
-        tot = x + y
-        if tot == 0:
-            continue
-        for obs, n in ((x, na), (y, nb)):
-            exp = tot * n / (na + nb)
-            stat += (obs - exp) ** 2 / exp
-    return stat, len(cells) - 1
-
-
-def chi2_critical(dof: int, z: float = 3.09) -> float:
-    """Upper 0.1% point of chi-square (Wilson-Hilferty)."""
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 @pytest.fixture(scope="module")

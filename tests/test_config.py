@@ -48,7 +48,8 @@ def model_config(**over) -> ModelConfig:
     (dict(speculative_config=dict(SPEC, max_draft_len=17)), "max_draft_len"),
     (dict(speculative_config=dict(SPEC, max_draft_len=True)), "max_draft_len"),
     (dict(speculative_config=dict(method="eagle3")), "draft_model"),
-    (dict(speculative_config=dict(SPEC, num_speculative_tokens=3)), "unknown speculative_config fields"),
+    (dict(speculative_config=dict(SPEC, num_draft_tokens=3)), "unknown speculative_config fields"),
+    (dict(speculative_config=dict(SPEC, max_draft_len=2, num_speculative_tokens=3)), "gives both"),
 ])
 def test_bad_engine_settings_fail_before_a_model_loads(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -11,7 +11,8 @@ class SpecStats:
 
     acceptance rate = accepted / drafted; acceptance length = emitted / verify steps (the bonus token
     included, so 1.0 means no draft was ever accepted); per-position acceptance = how often draft j was
-    accepted when drafted.
+    accepted when drafted (with draft trees: how often the accepted path reached depth j + 1 when the tree
+    did; a tree's acceptance rate counts every node it verified).
     """
 
     num_drafted: int = 0
@@ -21,18 +22,21 @@ class SpecStats:
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
+        """One row's verify step: drafts verified, of them accepted, tokens emitted; ``depth``: a draft tree's
+        depth, whose positions are its depths (a chain's are its drafts)."""
         if num_drafts <= 0:
             return
         self.num_drafted += num_drafts
         self.num_accepted += num_accepted
         self.num_verify_steps += 1
         self.num_emitted += num_emitted
-        grow = num_drafts - len(self.drafted_per_pos)
+        positions = num_drafts if depth is None else depth
+        grow = positions - len(self.drafted_per_pos)
         if grow > 0:
             self.drafted_per_pos += [0] * grow
             self.accepted_per_pos += [0] * grow
-        for j in range(num_drafts):
+        for j in range(positions):
             self.drafted_per_pos[j] += 1
             self.accepted_per_pos[j] += j < num_accepted
 

@@ -69,6 +69,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.spec_token_ids: list[int] = []  # drafts proposed by the last step, verified by the next
+        self.spec_parents: list[int] | None = None  # a draft tree's parent columns (0: the last token); None: a chain
         # overlap scheduler: its row (a ``ScheduledRequest``) in the latest step launched and not yet collected
         self.in_flight = None
         self.spec_stats = SpecStats()

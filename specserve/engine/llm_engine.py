@@ -17,6 +17,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.checkpoint import check_head_folder, load_draft_head
 from specserve.speculative.speculator import Speculator
+from specserve.speculative.tree import TreeSpeculator
 from specserve.tokenizer import IncrementalDetokenizer
 
 __all__ = ["EngineArgs", "EngineConfig", "LLMEngine"]  # EngineArgs lives in specserve.config, importable here
@@ -71,8 +72,13 @@ class LLMEngine:
         speculator = None
         if self.head is not None:  # the head's KV layers follow the target's in the one KV tensor
             head_kv = self.kv_cache.layer_views()[cfg.num_hidden_layers:kv_layers]
-            speculator = Speculator(self.model, self.head, head_kv, self.spec_config, self.kv_cache.block_size,
-                                    self.thinking_tokens)
+            if self.spec_config.tree:  # the accepted path's target KV moves into place
+                target_kv = self.kv_cache.layer_views()[:cfg.num_hidden_layers]
+                speculator = TreeSpeculator(self.model, self.head, head_kv, target_kv, self.spec_config,
+                                            self.kv_cache.block_size, self.thinking_tokens)
+            else:
+                speculator = Speculator(self.model, self.head, head_kv, self.spec_config, self.kv_cache.block_size,
+                                        self.thinking_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, speculator=speculator, **runner_kwargs)
         self.overlap = config.overlap_scheduler
         self.async_output = config.async_output or self.overlap  # overlap reports a step one call late too
@@ -200,12 +206,13 @@ class LLMEngine:
             self._error = error
         return [self._report(*x) for x in done]
 
-    def _collect(self, launched) -> list[tuple[Request, list[int], int, int]]:
+    def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int | None]]:
         """Wait for a launched step and apply its tokens: appended in order (nothing after the token that ends a
         request), finished requests released, the next drafts kept, and the rows of a step launched since that
         continue these set to their true start and drafts (or dropped, where the request ended). What the next
         schedule depends on is done here; the rest (detokenizing without stop strings, outputs, statistics) waits
-        for ``_report``. -> (request, tokens appended, drafts verified, drafts accepted) per sampling row."""
+        for ``_report``. -> (request, tokens appended, drafts verified, drafts accepted, a verified tree's depth) per
+        sampling row."""
         batch = launched.batch
         done = []
         for entry, res in self.scheduler.update(batch, self.runner.collect(launched)):
@@ -223,7 +230,7 @@ class LLMEngine:
                     break
             # drafts that could only land past the request's last allowed token are not verified
             room = max(0, req.max_total_tokens - req.num_tokens - 1)
-            req.spec_token_ids = [] if req.finished else res.drafts[:room]
+            req.spec_token_ids, req.spec_parents = ([], None) if req.finished else res.next_drafts(room)
             after = req.in_flight  # its row in a step launched since (overlap scheduler)
             if after is not None and after is not entry:
                 if req.finished:
@@ -234,13 +241,14 @@ class LLMEngine:
                 req.in_flight = None
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
-            done.append((req, appended, entry.num_drafts, res.num_accepted))
+            done.append((req, appended, entry.num_drafts, res.num_accepted, res.depth))
         for s in batch.scheduled:
             if s.request.in_flight is s:
                 s.request.in_flight = None
         return done
 
-    def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int) -> RequestOutput:
+    def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,
+                depth: int | None = None) -> RequestOutput:
         """A collected step's output for one request: its text (unless stop strings detokenized it already) and
         statistics."""
         if appended and not req.params.stop:
@@ -252,8 +260,8 @@ class LLMEngine:
             end = max(req.text_sent, end - max(len(s) for s in req.params.stop) + 1)
         delta = req.output_text[req.text_sent:end]
         req.text_sent = end
-        req.spec_stats.record(num_drafts, num_accepted, len(appended))
-        self.spec_stats.record(num_drafts, num_accepted, len(appended))
+        req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
         return self._output(req, delta, appended)
 
     def _detokenize(self, req: Request, new_ids: list[int]) -> str:

@@ -255,13 +255,20 @@ def flex_block_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int 
     return create_block_mask(visible, B=b, H=None, Q_LEN=qlen, KV_LEN=num_keys, device=query_pos.device)
 
 
-def build_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None) -> torch.Tensor:
-    """query_pos [B, Q] -> mask [B, 1, Q, K] bool (key j visible to a query at p when j <= p)."""
+def build_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int | None,
+               tree_bits: torch.Tensor | None = None, tree_base: torch.Tensor | None = None) -> torch.Tensor:
+    """query_pos [B, Q] -> mask [B, 1, Q, K] bool (key j visible to a query at p when j <= p). With a tree
+    (``tree_bits`` [B, Q] int64, ``tree_base`` [B]): key j >= base with j - base < 64 is visible only where bit
+    j - base of the query's mask is set (its ancestors and itself in a draft tree; -1 for an ordinary query)."""
     keys = torch.arange(num_keys, device=query_pos.device)
     qp = query_pos.unsqueeze(-1)
     mask = keys <= qp
     if sliding_window is not None:
         mask &= keys > qp - sliding_window
+    if tree_bits is not None:
+        rel = keys - tree_base[:, None, None]  # [B, 1, K]
+        bit = (tree_bits.unsqueeze(-1) >> rel.clamp(0, 63)) & 1  # [B, Q, K]
+        mask &= (rel < 0) | (rel >= 64) | (bit == 1)
     return mask.unsqueeze(1)
 
 

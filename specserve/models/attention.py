@@ -30,6 +30,10 @@ class AttentionMetadata:
     flat_index: torch.Tensor | None = None  # [T] int64: b * Q + q per flat token (SDPA backend; derived if None)
     sliding_window: int | None = None
     backend: str = "auto"  # "auto" (triton on CUDA, else sdpa), "triton" or "sdpa"
+    # draft trees: [B, Q] int64 bit i set where the key at tree_base + i is the query's ancestor or itself (-1:
+    # every key up to the query's position, an ordinary query); tree_base [B] int64. None: causal rows only
+    tree_bits: torch.Tensor | None = None
+    tree_base: torch.Tensor | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)  # SDPA mask, built once per step on first use
 
     def new_step(self) -> None:
@@ -39,7 +43,8 @@ class AttentionMetadata:
 
     def sdpa_mask(self, block_size: int) -> torch.Tensor:
         if self._mask is None:
-            self._mask = build_mask(self.query_pos, self.block_tables.shape[1] * block_size, self.sliding_window)
+            self._mask = build_mask(self.query_pos, self.block_tables.shape[1] * block_size, self.sliding_window,
+                                    self.tree_bits, self.tree_base)
         return self._mask
 
 
@@ -52,7 +57,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     D]; the Triton kernel reads those rows in place, the references gather them."""
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
-    if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
+    # draft trees' masks run on the reference for now (the Triton kernel applies the causal rule only)
+    if backend == "sdpa" or meta.tree_bits is not None or (backend == "auto" and (not use_triton(q) or group > 64)):
         q = q if q_rows is None else q[q_rows]
         return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                     meta.sliding_window, flat_index=meta.flat_index,

@@ -174,6 +174,8 @@ class ModelRunner:
         self.max_graph_q = min(max_len, model.config.max_position_embeddings)
         self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
+        if spec is not None and not spec.graph_steps:  # its layouts have no graphs yet: every step packed
+            rows = 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
         q = self.generation_q
         # overlap scheduler: the host stages a step while the device may not yet have copied the last one's inputs
@@ -183,8 +185,7 @@ class ModelRunner:
         self._ints = Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 9),
                                                        6 * max_num_batched_tokens) * 2, ring=ring)
         self._floats = Staging(torch.float32, device, 8 * rows, ring=ring)
-        d = spec.draft_len if spec is not None else 0
-        self.carry = StepCarry(max_num_seqs, 2 * d + 2 if spec is not None else 1, device) if overlap else None
+        self.carry = StepCarry(max_num_seqs, spec.result_width if spec is not None else 1, device) if overlap else None
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
@@ -278,7 +279,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=a["slots"], block_tables=a["tables"], query_index=a["query_index"],
             query_pos=a["query_pos"], flat_index=a["flat"], sliding_window=self.sliding_window,
-            backend=self.attention_backend,
+            backend=self.attention_backend, tree_bits=a.get("tree_bits"), tree_base=a.get("tree_base"),
         )
         sampling = sampling_tensors(st.samplers, {**a, **f}) if st.samplers else None
         batch = StepBatch(input_ids=a["input_ids"], positions=a["positions"], meta=meta,

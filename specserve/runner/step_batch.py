@@ -72,6 +72,19 @@ class RowResult:
     drafts: list[int] = field(default_factory=list)  # drafts to verify next step
     num_drafts: int = 0  # drafts verified this step
     num_accepted: int = 0  # of those, accepted
+    parents: list[int] | None = None  # a draft tree's parent columns (0: the root), one per draft; None: a chain
+    depth: int | None = None  # the depth of the tree verified this step (a chain: None)
+
+    def next_drafts(self, room: int) -> tuple[list[int], list[int] | None]:
+        """The drafts to verify next step where only ``room`` more tokens may follow the emitted ones: a chain's
+        first ``room``, a tree's nodes of depth <= ``room`` (a prefix: the tree is sorted by depth)."""
+        if self.parents is None:
+            return self.drafts[:room], None
+        depth = [0]
+        for p in self.parents:
+            depth.append(depth[p] + 1)
+        keep = sum(1 for x in depth[1:] if x <= room)
+        return self.drafts[:keep], self.parents[:keep]
 
 
 class ArrayPack:

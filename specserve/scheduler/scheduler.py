@@ -121,7 +121,7 @@ class Scheduler:
             req.in_flight.discard = True
             req.in_flight = None
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_parents = [], None
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)

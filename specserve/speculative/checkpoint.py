@@ -260,7 +260,8 @@ def _build_mtp(spec, raw, tensors, cfg, source) -> MTPHead:
     declared = raw.get("num_nextn_predict_layers")
     if declared is not None and declared != n:
         raise ValueError(f"{source}: config.json declares {declared} MTP modules but the tensors hold {n}")
-    eagle = spec.mtp_eagle if spec.mtp_eagle is not None else n < spec.max_draft_len
+    # trees need one module that drafts any node (MTP-Eagle)
+    eagle = spec.mtp_eagle if spec.mtp_eagle is not None else (spec.tree or n < spec.max_draft_len)
     if not eagle and spec.max_draft_len > n:
         raise ValueError(f"{source}: vanilla MTP needs one module per draft position; the checkpoint has {n} "
                          f"modules and max_draft_len is {spec.max_draft_len} (use mtp_eagle=True)")

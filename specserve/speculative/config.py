@@ -9,6 +9,10 @@ log = logging.getLogger("specserve")
 
 METHODS = ("eagle3", "mtp")
 MAX_DRAFT_LEN = 16  # longest draft chain a step may propose (the draft loop is unrolled up to it)
+MAX_TOPK = 8  # children a tree node expands
+MAX_TREE_NODES = 63  # a tree's nodes, and a tree step's expanded nodes: one bit each in an int64 ancestor mask
+# other projects' spellings of the fields (SGLang, TensorRT-LLM, vLLM), accepted in a speculative_config dict
+ALIASES = {"num_speculative_tokens": "max_draft_len", "eagle_topk": "topk", "dynamic_tree_max_topK": "topk"}
 
 
 @dataclass
@@ -28,7 +32,7 @@ class SpeculativeConfig:
         the loader converts them by subtracting one.
       mtp_eagle: MTP only. True runs the first MTP module D times autoregressively (MTP-Eagle); False
         runs module k at draft position k (vanilla, needs D <= number of modules). None picks
-        MTP-Eagle when the checkpoint has fewer modules than D, vanilla otherwise.
+        MTP-Eagle when the checkpoint has fewer modules than D or drafts a tree, vanilla otherwise.
       forced_acceptance: performance experiments only. Accept this many drafts every step, whatever they
         are (a fractional value alternates between its floor and ceiling so the mean matches). BREAKS
         LOSSLESSNESS: outputs are no longer the target's.
@@ -39,8 +43,16 @@ class SpeculativeConfig:
       begin_thinking_phase_token / end_thinking_phase_token: token ids, or strings that the tokenizer turns
         into exactly one token, that open and close the thinking phase (in the prompt or the output).
 
-    Later issues add tree drafting (``dynamic_tree_max_topK``, ``max_total_draft_tokens``) and a
-    draft-length schedule; they become fields here.
+      topk: dynamic-tree drafting (EAGLE-2's rule) when > 1: at each of the ``max_draft_len`` depths the head
+        expands the ``topk`` most likely children of the ``topk`` most likely nodes, and the
+        ``max_total_draft_tokens`` nodes of highest cumulative draft probability form the tree the target
+        verifies in one pass. 1 (the default): a chain of ``max_draft_len`` drafts. EAGLE-3 and MTP-Eagle heads;
+        greedy and sampled acceptance (not relaxed or forced). Also spelled ``eagle_topk`` (SGLang) and
+        ``dynamic_tree_max_topK`` (TensorRT-LLM); ``num_speculative_tokens`` is ``max_draft_len``.
+      max_total_draft_tokens: nodes of a tree (at least ``max_draft_len``, at most 63); None: ``topk`` x
+        ``max_draft_len`` capped at 63 (a chain: ``max_draft_len``).
+
+    A draft-length schedule is a later field.
     """
 
     method: str | None = None
@@ -54,6 +66,8 @@ class SpeculativeConfig:
     relaxed_delta: float = 0.0
     begin_thinking_phase_token: int | str | None = None
     end_thinking_phase_token: int | str | None = None
+    topk: int = 1
+    max_total_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         found = None
@@ -86,28 +100,68 @@ class SpeculativeConfig:
             self.eagle3_layers_to_capture = layers
         if self.mtp_eagle is not None and self.method != "mtp":
             raise ValueError("mtp_eagle applies to method='mtp' only")
+        self._check_tree()
         if self.forced_acceptance is not None and not 0 <= self.forced_acceptance <= self.max_draft_len:
             raise ValueError(
                 f"forced_acceptance must be in [0, max_draft_len={self.max_draft_len}], got {self.forced_acceptance}"
             )
 
-    # -- numbers derived from D, computed here only ---------------------------------------------------------------
+    def _check_tree(self) -> None:
+        k, d = self.topk, self.max_draft_len
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_TOPK:
+            raise ValueError(f"topk must be an integer in [1, {MAX_TOPK}], got {k!r}")
+        if self.max_total_draft_tokens is None:
+            self.max_total_draft_tokens = min(k * d, MAX_TREE_NODES)
+        n = self.max_total_draft_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not d <= n <= MAX_TREE_NODES:
+            raise ValueError(f"max_total_draft_tokens must be an integer in [max_draft_len={d}, {MAX_TREE_NODES}], "
+                             f"got {n!r}")
+        if k == 1 and n != d:
+            raise ValueError(f"a chain (topk=1) verifies max_draft_len={d} drafts; max_total_draft_tokens={n} needs "
+                             "topk > 1")
+        if k > 1:
+            candidates = k + (d - 1) * k * k
+            if n > candidates:
+                raise ValueError(f"max_total_draft_tokens={n}: a tree of depth {d} and topk {k} proposes only "
+                                 f"{candidates} candidates")
+            if k * (d - 1) > MAX_TREE_NODES:
+                raise ValueError(f"topk x (max_draft_len - 1) = {k * (d - 1)} draft nodes to expand; at most "
+                                 f"{MAX_TREE_NODES}")
+            if self.use_relaxed_acceptance_for_thinking or self.forced_acceptance is not None:
+                raise ValueError("tree drafting (topk > 1) takes greedy and sampled acceptance; relaxed and forced "
+                                 "acceptance need topk=1")
+            if self.mtp_eagle is False:
+                raise ValueError("tree drafting (topk > 1) needs an EAGLE-3 or MTP-Eagle head, not vanilla MTP")
+
+    # -- numbers derived from D (and the tree), computed here only -----------------------------------------------
+    @property
+    def tree(self) -> bool:
+        """Dynamic-tree drafting (``topk`` > 1)."""
+        return self.topk > 1
+
+    @property
+    def num_nodes(self) -> int:
+        """N: draft tokens a row verifies per step (D for a chain, the tree's node count)."""
+        return self.max_total_draft_tokens
+
     @property
     def verify_len(self) -> int:
-        """D + 1: tokens a decoding row computes per step (its last token and the D drafts it verifies)."""
-        return self.max_draft_len + 1
+        """N + 1: tokens a decoding row computes per step (its last token and the N drafts it verifies)."""
+        return self.num_nodes + 1
 
     @property
     def lookahead_slots(self) -> int:
-        """D - 1: KV slots past a row's verified tokens that the draft loop writes (drafts 2..D are written at
-        last_pos + 1 .. last_pos + D - 1), so the scheduler reserves them beyond a sampling request's tokens."""
-        return self.max_draft_len - 1
+        """KV slots past a row's verified tokens that the draft loop writes, so the scheduler reserves them beyond a
+        sampling request's tokens: a chain's D - 1 (drafts 2..D are written at last_pos + 1 .. last_pos + D - 1); a
+        tree's topk x (D - 1) (each expanded node of depths 1 .. D - 1 writes its own slot)."""
+        return self.topk * (self.max_draft_len - 1)
 
     @property
     def kv_slots_past_len(self) -> int:
-        """2 D: KV slots a sequence at ``max_model_len`` tokens may still write (D verified drafts, then the draft
-        loop's ``lookahead_slots``, and one spare); the KV pool must hold them on top of ``max_model_len``."""
-        return 2 * self.max_draft_len
+        """KV slots a sequence at ``max_model_len`` tokens may still write (N verified drafts, then the draft
+        loop's ``lookahead_slots``, and one spare; a chain's 2 D); the KV pool must hold them on top of
+        ``max_model_len``."""
+        return self.num_nodes + self.lookahead_slots + 1
 
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
@@ -116,6 +170,13 @@ class SpeculativeConfig:
             return value
         if isinstance(value, dict):
             known = set(cls.__dataclass_fields__)
+            value = dict(value)
+            for alias, name in ALIASES.items():
+                if alias in value:
+                    if name in value and value[name] != value[alias]:
+                        raise ValueError(f"speculative_config gives both {name}={value[name]!r} and "
+                                         f"{alias}={value[alias]!r}")
+                    value[name] = value.pop(alias)
             unknown = sorted(set(value) - known)
             if unknown:
                 raise ValueError(f"unknown speculative_config fields {unknown}; known: {sorted(known)}")

@@ -53,6 +53,7 @@ class DraftHead(nn.Module):
 
     aux_layers: tuple[int, ...] = ()
     num_kv_layers: int = 1
+    tree_drafts = True  # one module drafts any node from its parent's output (``speculative/tree.py``)
     # drafts read their output layer as int8 rows with the final norm's weight folded in (``int8_output``): one
     # table per (weight, norm) pair; a head whose steps share one weight under several norms keeps one table
     fold_draft_norm: bool = True
@@ -319,6 +320,11 @@ class MTPHead(DraftHead):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
         self.eagle = eagle
         self.num_kv_layers = 1 if eagle else num_modules
+
+    @property
+    def tree_drafts(self) -> bool:
+        """Vanilla MTP's module k drafts position k only: no trees."""
+        return self.eagle
 
     @property
     def fold_draft_norm(self) -> bool:

@@ -112,6 +112,8 @@ class Drafter:
 class Speculator:
     """Verify, accept and draft for every row of a step; held by ``ModelRunner`` (``speculator``)."""
 
+    graph_steps = True  # generation steps run as CUDA graphs
+
     def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, spec: SpeculativeConfig,
                  block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         d = spec.max_draft_len
@@ -135,6 +137,11 @@ class Speculator:
     def aux_layers(self) -> tuple[int, ...]:
         """Target layers whose output stream the head reads."""
         return self.drafter.head.aux_layers
+
+    @property
+    def result_width(self) -> int:
+        """Rows of a step's result: accepted count, D + 1 emitted tokens, D drafts."""
+        return 2 * self.draft_len + 2
 
     # -- host: what a step stages per row ---------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:

@@ -1,0 +1,313 @@
+"""Dynamic-tree speculation (EAGLE-2's rule) for EAGLE-3 and MTP-Eagle heads: ``TreeSpeculator``, composed into
+the model runner in place of the chain's ``Speculator`` when ``topk`` > 1.
+
+One step, after the target's forward pass over every row's tokens:
+
+1. verify: a generation row's tokens are its last known token (column 0, the root) and N draft nodes; node c sits
+   at position start + depth(c) and writes its KV at column c's slot, and its attention sees the keys before the
+   root and those of its ancestors and itself (``AttentionMetadata.tree_bits``).
+2. accept (``tree_accept``): the longest path the target agrees with, and the bonus token.
+3. compact: the path's target KV moves from its nodes' columns to the positions after the root
+   (``compact_path_kv``), so the cache stays indexed by position.
+4. draft: head step 0 over each row's accepted chain (the known tokens, then the path), the target's hidden
+   states gathered from the path's columns; then D - 1 expansions: the ``topk`` best nodes of a depth (by
+   cumulative draft log-probability) each run the head for one token, at their own scratch slot past the row's
+   last accepted position, seeing the keys up to it and their ancestors' scratch keys, and propose their ``topk``
+   most likely children. The N candidates of highest cumulative log-probability form the next tree, sorted by
+   depth (a child never scores above its parent, so the set holds every node's parent).
+5. one device -> host copy: accepted count, emitted tokens, the next tree's tokens and parents.
+
+Trees run as packed (eager) steps, their attention on the PyTorch reference (the Triton kernel and CUDA graphs of
+tree layouts are later work). Nothing here knows which head it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specserve.cache.kv_cache import PAD_BLOCK
+from specserve.models.attention import AttentionMetadata
+from specserve.models.llama import LlamaForCausalLM
+from specserve.runner.sampler import SamplingTensors
+from specserve.runner.step_batch import RowResult, StepBatch, StepSwitches
+from specserve.speculative.accept import AcceptInputs
+from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.heads import DraftHead
+from specserve.speculative.speculator import ACCEPT_INTS, Verifier, acceptance_columns
+from specserve.speculative.tree_accept import accept_tree, compact_path_kv, node_depths
+
+
+@dataclass
+class TreeInputs:
+    """What a tree step verifies and drafts from (B rows, N nodes, T flat tokens, W = q + 2)."""
+
+    verify_idx: torch.Tensor  # [B, N+1] int64: flat index of the root and of each node (the last token for others)
+    nodes: torch.Tensor  # [B, N] int64: each node's token
+    parents: torch.Tensor  # [B, N] int64: each node's parent column (0: the root)
+    num_nodes: torch.Tensor  # [B] int64: nodes a row verifies this step
+    base_col: torch.Tensor  # [B] int64: column of the root (the row's last known token)
+    t0: torch.Tensor  # [B] int64: flat index of the row's first token
+    start: torch.Tensor  # [B] int64: position of the row's first token
+    ext: torch.Tensor  # [B, W] int64: the row's tokens from column 0, then the next prompt tokens (lookahead)
+    row_of_token: torch.Tensor  # [T] int64
+    col_of_token: torch.Tensor  # [T] int64
+    accept: AcceptInputs
+    host_rows: list = field(default_factory=list)
+
+
+def tree_layout(parents: list[int]) -> tuple[list[int], list[int]]:
+    """A row's node parents (columns, 0 the root) -> (depth of every column, its ancestor bits: bit j set where
+    column j is an ancestor of it or itself), root first, as int64 values."""
+    depth, bits = [0], [1]
+    for c, p in enumerate(parents, start=1):
+        depth.append(depth[p] + 1)
+        bits.append(bits[p] | (1 << c))
+    return depth, [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+
+
+class TreeSpeculator:
+    """Verify a draft tree, accept a path, move its KV into place and draft the next tree, for every row of a
+    step; held by ``ModelRunner`` (``speculator``) in place of ``Speculator``."""
+
+    graph_steps = False  # tree layouts run as packed steps (no CUDA graphs yet)
+
+    def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, target_kv: list,
+                 spec: SpeculativeConfig, block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+        if not head.tree_drafts:
+            raise ValueError("tree drafting (topk > 1) needs an EAGLE-3 or MTP-Eagle head, not vanilla MTP")
+        self.spec = spec
+        self.head, self.head_kv, self.target_kv = head, head_kv, target_kv
+        self.block_size = block_size
+        self.draft_len, self.topk, self.num_nodes = spec.max_draft_len, spec.topk, spec.num_nodes
+        self.verifier = Verifier(spec, thinking_tokens)
+        self.thinking_tokens = thinking_tokens
+        self.max_pos = model.rope.cos_cache.shape[0] - 1
+
+    @property
+    def verify_len(self) -> int:
+        return self.spec.verify_len
+
+    @property
+    def lookahead_slots(self) -> int:
+        return self.spec.lookahead_slots
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.head.aux_layers
+
+    @property
+    def result_width(self) -> int:
+        """Rows of a step's result: accepted count, D + 1 emitted tokens, N node tokens, N parents."""
+        return 2 + self.draft_len + 2 * self.num_nodes
+
+    # -- host: a packed step's arrays ------------------------------------------------------------------------
+    def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        b, n = rows, self.num_nodes
+        ints = dict(verify_idx=(b, n + 1), nodes=(b, n), parents=(b, n), num_nodes=(b,), can_accept=(b,),
+                    base_col=(b,), t0=(b,), start=(b,), ext=(b, q + 2), tree_bits=(b, q), tree_base=(b,),
+                    **{k: (b,) for k in ACCEPT_INTS})
+        return ints, dict(relaxed_delta=(b,))
+
+    def stage_packed(self, sched, a: dict[str, np.ndarray], f: dict[str, np.ndarray], row: np.ndarray,
+                     col: np.ndarray, first: np.ndarray, switches: StepSwitches) -> StepSwitches:
+        """Fill a packed step's tree arrays (``packed_shapes``); a row with nodes gets positions by depth and
+        ancestor bits, the others the causal rule (bits -1)."""
+        b, n = len(sched), self.num_nodes
+        counts = np.fromiter((s.num_tokens for s in sched), np.int64, b)
+        nd = np.fromiter((s.num_drafts for s in sched), np.int64, b)
+        starts = np.fromiter((s.start for s in sched), np.int64, b)
+        base = counts - 1 - nd
+        a["verify_idx"][:] = first[:, None] + np.minimum(base[:, None] + np.arange(n + 1), (counts - 1)[:, None])
+        a["num_nodes"][:], a["base_col"][:], a["t0"][:], a["start"][:] = nd, base, first, starts
+        a["can_accept"][:] = np.fromiter((s.sample for s in sched), np.int64, b)
+        a["tree_base"][:] = starts + base
+        cols, delta = acceptance_columns([s.request for s in sched], b, self.spec)
+        f["relaxed_delta"][:] = delta
+        for k, v in cols.items():
+            a[k][:] = v
+        a["nodes"][:], a["parents"][:], a["tree_bits"][:] = 0, 0, -1
+        ext, tokens = a["ext"], a["input_ids"]
+        ext[:] = 0
+        ext[row, col] = tokens
+        for i, s in enumerate(sched):
+            req = s.request
+            if s.num_drafts:
+                parents = req.spec_parents[:s.num_drafts]
+                depth, bits = tree_layout(parents)
+                lo = base[i]
+                a["nodes"][i, :s.num_drafts] = req.spec_token_ids[:s.num_drafts]
+                a["parents"][i, :s.num_drafts] = parents
+                a["tree_bits"][i, lo:lo + len(bits)] = bits
+                flat = first[i] + lo
+                a["positions"][flat:flat + len(depth)] = starts[i] + lo + np.asarray(depth)
+            elif not s.sample:  # prompt lookahead: the next known token after a non-final chunk
+                nxt = req.token_ids[s.start + s.num_tokens:s.start + s.num_tokens + 1]
+                ext[i, s.num_tokens:s.num_tokens + len(nxt)] = nxt
+        return StepSwitches(switches.all_greedy, switches.needs_filter, simple_greedy=switches.all_greedy)
+
+    def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
+                      switches: StepSwitches, host_rows: list) -> TreeInputs:
+        acc = self.verifier.inputs(sampling, a["greedy"], a["can_accept"], a["relaxed"], a["relaxed_topk"],
+                                   f["relaxed_delta"], a["thinking"], switches)
+        return TreeInputs(verify_idx=a["verify_idx"], nodes=a["nodes"], parents=a["parents"],
+                          num_nodes=a["num_nodes"], base_col=a["base_col"], t0=a["t0"], start=a["start"],
+                          ext=a["ext"], row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc,
+                          host_rows=host_rows)
+
+    # -- device: verify, accept, compact, draft --------------------------------------------------------------
+    def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
+        """After the target's forward pass -> the step's result by rows [2 + D + 2N, B]."""
+        x, meta = batch.spec, batch.meta
+        b, n1 = x.verify_idx.shape
+        d, n = self.draft_len, self.num_nodes
+        logits_fn = model.lm_logits if x.accept.simple_greedy else model.compute_logits
+        logits = logits_fn(hidden[x.verify_idx.reshape(-1)]).view(b, n1, -1)  # [B, N+1, V]
+        res = accept_tree(logits, x.nodes, x.parents, x.num_nodes, d, self.topk, x.accept)
+        root_pos = x.start + x.base_col
+        compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
+        nodes, parents = self.draft(batch, hidden, aux, res)
+        return torch.cat((res.accepted[None], res.emitted.t(), nodes.t(), parents.t()))  # [2 + D + 2N, B]
+
+    def draft(self, batch: StepBatch, hidden: torch.Tensor, aux: list, res) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
+        x, meta = batch.spec, batch.meta
+        head, bs = self.head, self.block_size
+        b = x.base_col.shape[0]
+        dev = hidden.device
+        rows = torch.arange(b, device=dev)
+        ok = x.accept.can_accept
+        a = torch.where(ok, res.accepted, 0)
+        chain_len = x.base_col + 1 + a  # [B]: the known tokens, then the path
+        # the chain's tokens from column 0: known ones, the path's nodes and the bonus (a non-final chunk keeps its
+        # lookahead token after the chunk)
+        ext = x.ext.clone()
+        j = torch.arange(res.emitted.shape[1], device=dev)
+        cols = (x.base_col + 1)[:, None] + j[None, :]  # [B, D+1]
+        put = ok[:, None] & (j[None, :] <= a[:, None])
+        ext.scatter_(1, cols.clamp(max=ext.shape[1] - 1), torch.where(put, res.emitted, ext.gather(
+            1, cols.clamp(max=ext.shape[1] - 1))))
+        r, c = x.row_of_token, x.col_of_token  # [T]
+        live = c < chain_len[r]
+        off = c - x.base_col[r]  # >= 1 on the path
+        path_col = res.path[r, (off - 1).clamp(0, res.path.shape[1] - 1)]  # [T]
+        src = x.t0[r] + torch.where(off >= 1, x.base_col[r] + path_col, c)  # [T] the token's target state
+        src = torch.where(live, src, torch.arange(r.shape[0], device=dev))
+        pos = x.start[r] + c
+        slot = meta.block_tables[r, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1)] * bs + pos % bs
+        slot = torch.where(live, slot, PAD_BLOCK * bs)
+        ids0 = ext[r, (c + 1).clamp(max=ext.shape[1] - 1)]
+        h = head.first_hidden(hidden[src], [t[src] for t in aux])
+        meta0 = AttentionMetadata(slot_mapping=slot, block_tables=meta.block_tables, query_index=meta.query_index,
+                                  query_pos=meta.query_pos, flat_index=meta.flat_index,
+                                  sliding_window=meta.sliding_window, backend=meta.backend)
+        last_idx = x.t0 + chain_len - 1
+        last_pos = x.start + chain_len - 1
+        one = _one_query(meta, last_pos, slot[:0], meta.block_tables)
+        out = head.run_module(0, ids0, pos, h, meta0, self.head_kv[head.kv_layer(0)], rows=(last_idx, one))  # [B, H]
+        return self.expand(out, last_pos, ok, meta)
+
+    def expand(self, last: torch.Tensor, last_pos: torch.Tensor, ok: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's expansion from each row's head output at its last accepted token ``last`` [B, H] -> nodes,
+        parents [B, N] (module docstring, step 4)."""
+        head, k, bs = self.head, self.topk, self.block_size
+        b = last.shape[0]
+        dev = last.device
+        lp = head.logits(0, last).log_softmax(dim=-1)  # [B, V']
+        score, idx = lp.topk(k, dim=-1)  # [B, k]
+        tok = self._target_ids(idx)
+        cand_tok, cand_par, cand_score, cand_depth = [tok], [torch.full_like(tok, -1)], [score], [torch.ones_like(tok)]
+        f_id = torch.arange(k, device=dev).expand(b, k)  # the frontier's candidate ids
+        f_tok, f_score, f_hidden = tok, score, last[:, None, :].expand(b, k, last.shape[-1])
+        f_bits = torch.zeros(b, k, dtype=torch.int64, device=dev)
+        base = last_pos + 1  # [B]: the first scratch slot's position
+        tables = meta.block_tables.repeat_interleave(k, dim=0)  # [B * k, M]
+        jj = torch.arange(k, device=dev)
+        next_id = k
+        for depth in range(1, self.draft_len):
+            col = (depth - 1) * k + jj  # [k] scratch columns of this depth's frontier
+            bits = f_bits | (1 << col)[None, :]  # [B, k]
+            spos = (base[:, None] + col[None, :]).clamp(max=self.max_pos)  # [B, k] scratch slot positions
+            blk = meta.block_tables.gather(1, (spos // bs).clamp(max=meta.block_tables.shape[1] - 1))
+            slot = torch.where(ok[:, None], blk * bs + spos % bs, PAD_BLOCK * bs).reshape(-1)
+            rope = (last_pos[:, None] + depth).expand(b, k).reshape(-1)
+            flat = torch.arange(b * k, device=dev)
+            m = AttentionMetadata(slot_mapping=slot, block_tables=tables, query_index=flat[:, None],
+                                  query_pos=spos.reshape(-1, 1), flat_index=flat, sliding_window=meta.sliding_window,
+                                  backend=meta.backend, tree_bits=bits.reshape(-1, 1),
+                                  tree_base=base.repeat_interleave(k))
+            out = head.run_module(depth, f_tok.reshape(-1), rope, f_hidden.reshape(b * k, -1), m,
+                                  self.head_kv[head.kv_layer(depth)])  # [B * k, H]
+            lp = head.logits(depth, out).log_softmax(dim=-1)  # [B * k, V']
+            s, i = lp.topk(k, dim=-1)
+            child_score = (f_score[..., None] + s.view(b, k, k)).reshape(b, k * k)
+            child_tok = self._target_ids(i).view(b, k * k)
+            cand_tok.append(child_tok)
+            cand_par.append(f_id.repeat_interleave(k, dim=1))
+            cand_score.append(child_score)
+            cand_depth.append(torch.full_like(child_tok, depth + 1))
+            _, pick = child_score.topk(k, dim=-1)  # [B, k] the next frontier, among the children
+            parent = pick // k
+            f_id = next_id + pick
+            f_tok = child_tok.gather(1, pick)
+            f_score = child_score.gather(1, pick)
+            f_hidden = out.view(b, k, -1).gather(1, parent[..., None].expand(b, k, out.shape[-1]))
+            f_bits = bits.gather(1, parent)
+            next_id += k * k
+        return self._select(torch.cat(cand_tok, 1), torch.cat(cand_par, 1), torch.cat(cand_score, 1),
+                            torch.cat(cand_depth, 1))
+
+    def _select(self, tok, par, score, depth) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates [B, C] -> the N of highest cumulative log-probability as nodes and parent columns [B, N],
+        sorted by depth, then score."""
+        n = self.num_nodes
+        # a child scores at most its parent: the depth term breaks a tie in the parent's favour
+        key = score - 1e-6 * depth
+        top = key.topk(n, dim=-1).indices  # [B, N]
+        d = depth.gather(1, top)
+        order = torch.sort(d, dim=-1, stable=True).indices  # by depth, keeping the score order within one
+        sel = top.gather(1, order)  # [B, N] candidate ids in column order
+        col_of = torch.zeros_like(tok)  # [B, C] column of each selected candidate (its parent is selected too)
+        col_of.scatter_(1, sel, torch.arange(1, n + 1, device=tok.device).expand_as(sel))
+        p = par.gather(1, sel)
+        parents = torch.where(p < 0, 0, col_of.gather(1, p.clamp(min=0)))
+        return tok.gather(1, sel), parents
+
+    def _target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the head's vocabulary -> target token ids."""
+        ids = self.head.target_ids()
+        return idx if ids is None else ids[idx]
+
+    # -- host: the copied-back result ------------------------------------------------------------------------
+    def results(self, sched, rows) -> list[RowResult]:
+        """Each row's result [2 + D + 2N] -> per request: emitted tokens, the next tree, counts."""
+        d, n = self.draft_len, self.num_nodes
+        out = []
+        for s, row in zip(sched, rows):
+            if not s.sample:
+                out.append(RowResult([]))
+                continue
+            acc = row[0]
+            verified = s.request.spec_parents[:s.num_drafts] if s.num_drafts else []
+            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + n]), s.num_drafts, acc,
+                                 parents=list(row[d + 2 + n:]), depth=max(tree_depths(verified), default=0)))
+        return out
+
+
+def _one_query(meta: AttentionMetadata, pos: torch.Tensor, slots: torch.Tensor, tables) -> AttentionMetadata:
+    """One query per row at ``pos`` [B] (head step 0's attention at each row's last chain token)."""
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    return AttentionMetadata(slot_mapping=slots, block_tables=tables, query_index=rows[:, None],
+                             query_pos=pos[:, None], flat_index=rows, sliding_window=meta.sliding_window,
+                             backend=meta.backend)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (1 for the root's children) from its parent columns."""
+    return tree_layout(parents)[0][1:]
+
+
+__all__ = ["TreeInputs", "TreeSpeculator", "node_depths", "tree_depths", "tree_layout"]
