@@ -15,13 +15,14 @@ from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_rows, c
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.argmax import CHUNK, argmax_lastdim
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from specserve.kernels.attention import (SHORT_SPLIT, AttnPartials, _flat_index, paged_attention_flex,
+from specserve.kernels.attention import (SHORT_SPLIT, AttnPartials, _flat_index, build_mask, paged_attention_flex,
                                          paged_attention_sdpa, paged_attention_triton)
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import correct_record, correct_record_ref, expand_record, expand_record_ref
 from specserve.runner.sampler import SamplingTensors
+from specserve.speculative.tree import tree_layout
 from specserve.speculative import accept as spec_accept
 
 
@@ -114,6 +115,21 @@ def check_attention(device, dtype):
         # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)
         if dtype == (torch.bfloat16 if device == "cuda" else torch.float32):
             _close(paged_attention_flex(*args), ref, dtype, f"flex attention {hq}/{hkv}/{d}")
+        # draft trees: rows 0 and 4 verify a root and 4 nodes of random parents (each query sees the keys before
+        # the root and its ancestors'), the others stay causal (bits -1); several splits and one
+        bits = torch.full_like(qpos, -1)
+        base = torch.zeros(len(lens), dtype=torch.int64)
+        for b in (0, 4):
+            ctx, nq = lens[b]
+            parents = [int(torch.randint(0, c, (1,), generator=g)) for c in range(1, nq)]
+            base[b] = ctx - nq
+            bits[b, :nq] = torch.tensor(tree_layout(parents)[1])
+        tree = dict(tree_bits=bits.to(device), tree_base=base.to(device))
+        mask = build_mask(qpos.to(device), tables.shape[1] * bs, None, **tree)
+        tref = paged_attention_sdpa(*args, mask=mask)
+        assert not torch.equal(tref, ref), "the tree mask changes nothing"
+        for ns in (None, 1):
+            _close(paged_attention_triton(*args, num_splits=ns, **tree), tref, dtype, f"tree attention, {ns} splits")
         for window, ns in ((8, 1), (100, None)) if QUICK else ((8, None), (8, 1), (100, None), (100, 1)):
             _close(paged_attention_triton(*args, sliding_window=window, num_splits=ns),
                    paged_attention_sdpa(*args, sliding_window=window), dtype, f"sliding window {window}, {ns}")

@@ -99,7 +99,7 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None, flat_index=None,
-                           q_rows=None, split_short: bool = False):
+                           q_rows=None, split_short: bool = False, tree_bits=None, tree_base=None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions (``SHORT_SPLIT`` positions per split for a small decode or verify step with ``split_short`` and
@@ -111,16 +111,20 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     (``AttnPartials``), for a consumer that merges them itself (the o projection's ATTN_MERGE prologue,
     ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
     token i's query is q[q_rows[i]] and the output has T' rows (the layout's flat indices are output rows): a
-    draft step 0 attends for each row's last token only without gathering its q rows first."""
+    draft step 0 attends for each row's last token only without gathering its q rows first. With ``tree_bits``
+    [B, Qw] int64 and ``tree_base`` [B]: a draft tree's mask (``build_mask``)."""
     t, hq, d = q.shape if q_rows is None else (q_rows.shape[0], *q.shape[1:])
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     if g > 64:
         raise ValueError(f"the Triton attention kernel packs at most 64 query heads per KV head, got {g}")
-    if query_pos.stride(0) != query_index.stride(0):  # the kernel indexes both with one row stride
+    tree = tree_bits is not None
+    if query_pos.stride(0) != query_index.stride(0) or (tree and tree_bits.stride(0) != query_index.stride(0)):
+        # the kernel indexes them all with one row stride
         query_pos = query_pos.contiguous().view(b, qw)
         query_index = query_index.contiguous().view(b, qw)
+        tree_bits = tree_bits.contiguous().view(b, qw) if tree else None
     keys = block_tables.shape[1] * page
     head_d = triton.next_power_of_2(d)
     # qpt queries per tile, n_qt tiles per row
@@ -145,12 +149,12 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         return out
     _attn_split_kernel[(b * n_qt, hkv, num_splits)](
         q, q_rows if q_rows is not None else query_index, k_cache, v_cache, block_tables, query_index, query_pos,
-        part_acc, part_ml, out, scale, t, qw, n_qt,
+        tree_bits if tree else query_pos, tree_base if tree else query_pos, part_acc, part_ml, out, scale, t, qw, n_qt,
         sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
         G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
         IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final,
-        HAS_QROWS=q_rows is not None, **launch)
+        HAS_QROWS=q_rows is not None, TREE=tree, **launch)
     parts = None if final else AttnPartials(out, part_acc, part_ml, query_index, query_pos, flat_index, qw, n_qt,
                                             qpt, g, block_m, head_d, num_splits, span)
     if parts is not None and flat_index is None:
@@ -297,8 +301,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_tile(q, qp, start, hi, m_i, l_i, acc, KC, VC, BT, b, kvh, scale, WINDOW, sc_blk, sc_slot, sc_h,
-                   s_bt, dd, dm, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr):
-        """Keys start .. start + BLOCK_N (below hi) folded into the running softmax (m_i, l_i, acc)."""
+                   s_bt, dd, dm, tb, tbase, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+                   TREE: tl.constexpr):
+        """Keys start .. start + BLOCK_N (below hi) folded into the running softmax (m_i, l_i, acc); with TREE,
+        keys tbase .. tbase + 63 only where the query's ancestor bits ``tb`` [BLOCK_M] say so."""
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
         blk = tl.load(BT + b * s_bt + n // PAGE, mask=nm, other=0).to(tl.int64)
@@ -312,6 +318,10 @@ if HAVE_TRITON:
         vis = (n[None, :] <= qp[:, None]) & nm[None, :]
         if WINDOW > 0:
             vis = vis & (n[None, :] > qp[:, None] - WINDOW)
+        if TREE:
+            rel = n - tbase  # [BLOCK_N]
+            bit = (tb[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
+            vis = vis & ((rel[None, :] < 0) | (rel[None, :] >= 64) | (bit == 1))
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -325,12 +335,12 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attn_split_kernel(Q, QROWS, KC, VC, BT, QIDX, QPOS, PACC, PML, O, scale, T, QW, NQT, WINDOW,
+    def _attn_split_kernel(Q, QROWS, KC, VC, BT, QIDX, QPOS, TBITS, TBASE, PACC, PML, O, scale, T, QW, NQT, WINDOW,
                            sq_t, sq_h, sc_blk, sc_slot, sc_h, s_bt, s_qi, so_t, so_h, NS,
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
                            IEEE: tl.constexpr, DYNAMIC: tl.constexpr, ITERS_STATIC: tl.constexpr,
-                           FINAL: tl.constexpr, HAS_QROWS: tl.constexpr, PDL: tl.constexpr):
+                           FINAL: tl.constexpr, HAS_QROWS: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
         pdl_begin(PDL)
         pdl_wait(PDL)  # everything here was written during the step
         pid = tl.program_id(0)
@@ -345,6 +355,12 @@ if HAVE_TRITON:
             q_row = tl.load(QROWS + qi, mask=valid, other=0)
         q = tl.load(Q + q_row[:, None] * sq_t + hq[:, None] * sq_h + dd[None, :],
                     mask=valid[:, None] & dm[None, :], other=0.0)
+        tb = qp  # a draft tree's ancestor bits of each tile row, and the row's first tree key (TREE only)
+        tbase = b
+        if TREE:
+            j = (pid % NQT) * QPT + tl.arange(0, BLOCK_M) // G
+            tb = tl.load(TBITS + b * s_qi + j, mask=valid, other=-1)
+            tbase = tl.load(TBASE + b)
         hi = tl.max(qp, axis=0) + 1  # keys needed by this tile: 0 .. max position
         lo_split = split.to(tl.int64) * SPLIT
         hi_split = tl.minimum(hi, lo_split + SPLIT)
@@ -358,13 +374,13 @@ if HAVE_TRITON:
         if DYNAMIC:
             for it in range(0, tl.cdiv(hi_split - lo, BLOCK_N)):
                 m_i, l_i, acc = _attn_tile(q, qp, lo + it * BLOCK_N, hi_split, m_i, l_i, acc, KC, VC, BT, b, kvh,
-                                           scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm,
-                                           BLOCK_N, PAGE, IEEE)
+                                           scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm, tb, tbase,
+                                           BLOCK_N, PAGE, IEEE, TREE)
         else:  # Triton's interpreter (CPU tests) needs loop bounds known to the host: masked full splits
             for it in range(0, ITERS_STATIC):
                 m_i, l_i, acc = _attn_tile(q, qp, lo + it * BLOCK_N, hi_split, m_i, l_i, acc, KC, VC, BT, b, kvh,
-                                           scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm,
-                                           BLOCK_N, PAGE, IEEE)
+                                           scale, WINDOW, sc_blk, sc_slot, sc_h, s_bt, dd, dm, tb, tbase,
+                                           BLOCK_N, PAGE, IEEE, TREE)
         if FINAL:  # the only split: normalise and write the output (what the merge kernel would do)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(O + qi[:, None] * so_t + hq[:, None] * so_h + dd[None, :], out.to(O.dtype.element_ty),

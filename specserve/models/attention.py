@@ -57,13 +57,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     D]; the Triton kernel reads those rows in place, the references gather them."""
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
-    # draft trees' masks run on the reference for now (the Triton kernel applies the causal rule only)
-    if backend == "sdpa" or meta.tree_bits is not None or (backend == "auto" and (not use_triton(q) or group > 64)):
+    if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
         q = q if q_rows is None else q[q_rows]
         return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                     meta.sliding_window, flat_index=meta.flat_index,
                                     mask=meta.sdpa_mask(k_cache.shape[1]))
     return paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                   meta.sliding_window, flat_index=meta.flat_index if defer_merge else None,
-                                  q_rows=q_rows, split_short=defer_merge and split_short)
+                                  q_rows=q_rows, split_short=defer_merge and split_short, tree_bits=meta.tree_bits,
+                                  tree_base=meta.tree_base)
 
