@@ -204,9 +204,10 @@ class SchedulerConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # KV slots reserved beyond a sampling request's tokens (``SpeculativeConfig.lookahead_slots``; 0 without)
     num_lookahead_slots: int = 0
-    # D: drafts a request proposes each step (0 without speculation); the overlap scheduler counts a running
-    # request's next drafts before the host has them
+    # D: drafts a request proposes each step (0 without speculation), and the drafts it verifies at most (D, or a
+    # draft tree's nodes); the overlap scheduler counts a running request's next drafts before the host has them
     max_draft_len: int = 0
+    num_verify_drafts: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -215,6 +216,7 @@ class SchedulerConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("num_lookahead_slots", self.num_lookahead_slots, 0)
         _check_int("max_draft_len", self.max_draft_len, 0)
+        _check_int("num_verify_drafts", self.num_verify_drafts, 0)
 
 
 _DTYPES = {
@@ -305,7 +307,8 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=self.max_model_len,
                                 num_lookahead_slots=spec.lookahead_slots if spec is not None else 0,
-                                max_draft_len=spec.max_draft_len if spec is not None else 0)
+                                max_draft_len=spec.max_draft_len if spec is not None else 0,
+                                num_verify_drafts=spec.num_nodes if spec is not None else 0)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         for name in ("async_output", "overlap_scheduler"):

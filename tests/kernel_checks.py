@@ -254,23 +254,36 @@ def check_correct_record(device, dtype):
     """The overlap scheduler's correction of rows that continue the step in flight, in one kernel == the PyTorch
     ops (exact): plain and speculative, rows with and without a source row, the thinking phase tracked or not."""
     g = torch.Generator().manual_seed(9)
-    for b, d, think in ((1, 0, (-1, -1)), (5, 0, (-1, -1)), (6, 3, (-1, -1)), (8, 4, (7, 9)), (3, 1, (-1, 9))):
-        q, cols = 1 + d, 10
-        width = 2 * d + 2 if d else 1
+    for b, d, think, n in ((1, 0, (-1, -1), 0), (5, 0, (-1, -1), 0), (6, 3, (-1, -1), 0), (8, 4, (7, 9), 0),
+                           (3, 1, (-1, 9), 0), (7, 3, (-1, -1), 6), (4, 2, (7, 9), 9)):
+        tree = n > 0
+        n = n or d
+        q, cols = 1 + n, 10
+        width = 2 + d + 2 * n if tree else (2 * d + 2 if d else 1)
         carry = torch.randint(0, 12, (cols + 1, width), generator=g)
         if d:
             carry[:, 0] = torch.randint(0, d + 1, (cols + 1,), generator=g)  # accepted counts
+        if tree:  # each node's parent an earlier column, at most d deep
+            for c in range(1, n + 1):
+                carry[:, d + 1 + n + c] = torch.randint(0, c, (cols + 1,), generator=g)
+            depth = torch.zeros(cols + 1, n + 1, dtype=torch.int64)
+            for c in range(1, n + 1):
+                depth[:, c] = depth.gather(1, carry[:, d + 1 + n + c:d + 2 + n + c]).squeeze(1) + 1
+            carry[:, d + 2 + n:] = torch.where(depth[:, 1:] <= d, carry[:, d + 2 + n:], 0)
         f = dict(src=torch.where(torch.rand(b, generator=g) < 0.7, torch.randint(0, cols, (b,), generator=g), -1),
                  start=torch.randint(20, 60, (b,), generator=g), count=torch.full((b,), q),
                  num_drafts=torch.full((b,), d), offsets=torch.randint(5, 30, (b,), generator=g))
         if d:
-            f.update(prev_nd=torch.randint(0, d + 1, (b,), generator=g), room=torch.randint(-3, d + 3, (b,), generator=g),
-                     cap=torch.randint(0, d + 1, (b,), generator=g), flags=torch.randint(0, 2, (4 * b,), generator=g))
+            f.update(prev_nd=torch.randint(0, n + 1, (b,), generator=g), room=torch.randint(-3, d + 3, (b,), generator=g),
+                     cap=torch.randint(0, n + 1, (b,), generator=g), flags=torch.randint(0, 2, (4 * b,), generator=g))
+        if tree:
+            f["parents"] = torch.randint(0, 3, (b * n,), generator=g)
         tokens = torch.randint(0, 1000, (b, q), generator=g)
         got_f = {k: v.clone().to(device) for k, v in f.items()}
         got_t = tokens.clone().to(device)
-        correct_record(got_f, got_t, carry.to(device), d, think)
-        correct_record_ref(f, tokens, carry, d, think)
+        nodes = n if tree else None
+        correct_record(got_f, got_t, carry.to(device), d, think, nodes)
+        correct_record_ref(f, tokens, carry, d, think, nodes)
         assert torch.equal(got_t.cpu(), tokens), f"corrected tokens b={b} D={d}"
         for k in f:
             assert torch.equal(got_f[k].cpu(), f[k]), f"corrected {k} b={b} D={d}"

@@ -32,6 +32,10 @@ SPECS = {
     "eagle3-d3": dict(method="eagle3", draft_model="eagle3", max_draft_len=3),
     "mtp_eagle-d2": dict(method="mtp", draft_model="mtp1", max_draft_len=2),
     "mtp_vanilla-d2": dict(method="mtp", draft_model="mtp2", max_draft_len=2, mtp_eagle=False),
+    "eagle3-tree-k2-d3-n6": dict(method="eagle3", draft_model="eagle3", max_draft_len=3, topk=2,
+                                 max_total_draft_tokens=6),
+    "mtp_eagle-tree-k3-d2-n7": dict(method="mtp", draft_model="mtp1", max_draft_len=2, topk=3,
+                                    max_total_draft_tokens=7),
 }
 
 
@@ -55,7 +59,8 @@ def _llm(dirs, spec: str | None, overlap: bool, graph_rows: int = 8, **kw) -> LL
 
         def recording(model, batch, hidden, aux):
             sp = batch.spec
-            runner.device_rows += zip(sp.host_rows, sp.start.tolist(), sp.num_drafts.tolist())
+            drafts = sp.num_drafts if hasattr(sp, "num_drafts") else sp.num_nodes  # a chain's, a tree's
+            runner.device_rows += zip(sp.host_rows, sp.start.tolist(), drafts.tolist())
             return step(model, batch, hidden, aux)
 
         runner.speculator.step = recording
@@ -264,3 +269,22 @@ def test_the_thinking_phase_follows_tokens_the_host_has_not_seen(tmp_path):
     assert outs[0] == outs[1] and stats[0] == stats[1]
     emitted = [t for o in outs[1] for t in o]
     assert emitted.count(4) > 3 and emitted.count(5) > 3  # the phase opens and closes inside the outputs
+
+
+def test_an_oracle_tree_under_overlap(dirs):
+    """A tree whose path hides behind a wrong sibling at every depth (tests/test_tree.py's oracle): each step
+    accepts its full depth at columns 2, 4, 6, so the next step's rows move back by N - D = 3 on the device; outputs
+    and counts equal the synchronous engine's."""
+    from test_tree import _oracle
+
+    greedy = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)
+    ref = [o.token_ids for o in _llm(dirs, "no-spec", False).generate(PROMPTS, greedy)]
+    stats = []
+    for overlap in (False, True):
+        llm = _llm(dirs, "eagle3-tree-k2-d3-n6", overlap)
+        _oracle(llm, ref, 3)
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == ref
+        stats.append(llm.engine.spec_stats.as_dict())
+        _assert_device_rows_match_host(llm)
+    assert stats[0] == stats[1] and stats[1]["per_position_acceptance"] == [1.0] * 3
+    assert llm.engine.runner.continued > 0

@@ -225,3 +225,29 @@ def test_tree_settings_are_checked():
             SpeculativeConfig(**{"draft_model": "random", "max_draft_len": 4, **bad})
     with pytest.raises(ValueError, match="both"):
         SpeculativeConfig.from_value(dict(draft_model="random", topk=2, eagle_topk=3))
+
+
+@pytest.mark.parametrize("head", ["eagle3", "mtp"])
+def test_tree_graph_layouts_equal_packed_steps(dirs, reference, head):
+    """Tree steps in the CUDA graphs' padded layouts (run without capture on the CPU): positions by depth and
+    ancestor bits derived on the device from the staged parents; the same tokens as packed steps, greedy and
+    seeded, and an oracle tree still accepted to its full depth."""
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    params = [SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=4, max_tokens=N_OUT, ignore_eos=True)]
+    params = [params[i % 2] for i in range(len(PROMPTS))]
+    outs = []
+    for padded in (False, True):
+        llm = _tree_llm(dirs, head, 2, 3, 6)
+        if padded:
+            llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
+        if padded:
+            assert llm.engine.runner.graphs.steps >= 10
+    assert outs[0] == outs[1]
+    llm = _tree_llm(dirs, head, 2, 3, 6)
+    llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
+    _oracle(llm, reference, 3)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert llm.engine.spec_stats.per_position == [1.0] * 3

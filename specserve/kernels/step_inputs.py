@@ -47,16 +47,26 @@ def expand_record_ref(start, count, nd, tokens, tables, block_size: int, draft_l
     return out
 
 
+def node_depths(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """parents [B, N] (columns, 0 the root) -> depth of every column [B, N+1] (the root 0; nodes <= ``depth``)."""
+    b, n = parents.shape
+    d = torch.zeros(b, n + 1, dtype=torch.int64, device=parents.device)
+    for _ in range(depth):
+        d[:, 1:] = d.gather(1, parents) + 1
+    return d
+
+
 def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: torch.Tensor, draft_len: int,
-                   thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+                       thinking_tokens: tuple[int, int] = (-1, -1), num_nodes: int | None = None) -> None:
     """Inside a generation step under the overlap scheduler, before its record is expanded: the rows that continue
     the step in flight (``src`` >= 0, ``runner/overlap.py``) corrected in place from that step's result rows
-    ``carry`` [columns + 1, C] (``StepCarry.buf``). ``f``: the record's device views (start,
-    count, offsets, src [B]; speculating num_drafts, prev_nd, room, cap [B], flags [4 * B]); tokens [B, q], q = 1
-    + D. Plain: the token is the sampled one. Speculating: a = accepted of prev_nd, delta = prev_nd - a; start and
-    offsets move back by delta; num_drafts = min(clamp(room + delta, 0, D), cap); tokens = the bonus (the a-th
-    emitted token), then the drafts; the thinking phase follows the emitted tokens (the last begin / end token
-    wins)."""
+    ``carry`` [columns + 1, C] (``StepCarry.buf``). ``f``: the record's device views (start, count, offsets, src
+    [B]; speculating num_drafts, prev_nd, room, cap [B], flags [4 * B]; a tree's parents [B * N]); tokens [B, q],
+    q = 1 + N (N: ``num_nodes``, a tree's; a chain's D). Plain: the token is the sampled one. Speculating: a =
+    accepted of prev_nd, delta = prev_nd - a; start and offsets move back by delta; the drafts kept are those of
+    depth <= clamp(room + delta, 0, D) (a chain's first that many; a tree's a prefix, sorted by depth), at most
+    cap; tokens = the bonus (the a-th emitted token), then the drafts (a tree's parents from the carry too); the
+    thinking phase follows the emitted tokens (the last begin / end token wins)."""
     src = f["src"]
     dep = src >= 0  # [B]
     c = carry[src.clamp(min=0)]  # [B, C]
@@ -64,13 +74,24 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
         tokens[:, 0] = torch.where(dep, c[:, 0], tokens[:, 0])
         return
     d = draft_len
+    n = num_nodes or d
     a = c[:, 0].clamp(0, d)  # [B]
     delta = torch.where(dep, f["prev_nd"] - a, 0)  # [B]
-    nd = torch.where(dep, torch.minimum((f["room"] + delta).clamp(0, d), f["cap"]), f["num_drafts"])  # [B]
+    limit = (f["room"] + delta).clamp(0, d)  # [B]: the deepest drafts that fit
+    k = torch.arange(n, device=tokens.device)
+    if num_nodes:  # carry rows: accepted, D + 1 emitted, N nodes, N parents
+        par = c[:, d + 2 + n:d + 2 + 2 * n]  # [B, N]
+        depth = node_depths(par, d)[:, 1:]  # [B, N]
+        count = (depth <= limit[:, None]).sum(dim=1)
+    else:
+        count = limit
+    nd = torch.where(dep, torch.minimum(count, f["cap"]), f["num_drafts"])  # [B]
     emitted = c[:, 1:d + 2]  # [B, D+1]
-    k = torch.arange(d, device=tokens.device)
-    new = torch.cat([emitted.gather(1, a[:, None]), torch.where(k < nd[:, None], c[:, d + 2:], 0)], 1)  # [B, D+1]
-    tokens[:, :d + 1] = torch.where(dep[:, None], new, tokens[:, :d + 1])
+    new = torch.cat([emitted.gather(1, a[:, None]), torch.where(k < nd[:, None], c[:, d + 2:d + 2 + n], 0)], 1)
+    tokens[:, :n + 1] = torch.where(dep[:, None], new, tokens[:, :n + 1])
+    if num_nodes:
+        parents = f["parents"].view(-1, n)
+        parents.copy_(torch.where(dep[:, None], torch.where(k < nd[:, None], par, 0), parents))
     f["start"].sub_(delta)
     f["offsets"].sub_(delta)
     f["count"].copy_(torch.where(dep, 1 + nd, f["count"]))
@@ -87,13 +108,15 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
 
 
 def correct_record(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: torch.Tensor, draft_len: int,
-                   thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+                   thinking_tokens: tuple[int, int] = (-1, -1), num_nodes: int | None = None) -> None:
     """As ``correct_record_ref``, in one kernel on CUDA."""
     if not use_triton(tokens) or not kernel_usable("correct_record"):
-        return correct_record_ref(f, tokens, carry, draft_len, thinking_tokens)
+        return correct_record_ref(f, tokens, carry, draft_len, thinking_tokens, num_nodes)
     b, q = tokens.shape
     d = draft_len
+    n = num_nodes or d
     spec = d > 0
+    tree = bool(num_nodes)
     src = f["src"]
     none = src  # a pointer the kernel never reads where an input is absent (a plain step)
     begin, end = thinking_tokens
@@ -101,12 +124,13 @@ def correct_record(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: torc
         _correct_record_kernel[(b,)](
             src, tokens, carry, f["start"] if spec else none, f["count"] if spec else none,
             f["num_drafts"] if spec else none, f["offsets"] if spec else none, f["prev_nd"] if spec else none,
-            f["room"] if spec else none, f["cap"] if spec else none, f["flags"] if spec else none, b, q,
-            carry.shape[1], SPEC=spec, D=d, D_BLOCK=triton.next_power_of_2(d + 1), BEGIN=begin, END=end,
+            f["room"] if spec else none, f["cap"] if spec else none, f["flags"] if spec else none,
+            f["parents"] if tree else none, b, q, carry.shape[1], SPEC=spec, TREE=tree, D=d, N=n,
+            N_BLOCK=triton.next_power_of_2(n + 1), D_BLOCK=triton.next_power_of_2(d + 1), BEGIN=begin, END=end,
             THINK=spec and (begin >= 0 or end >= 0))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops
         kernel_failed("correct_record", e)
-        correct_record_ref(f, tokens, carry, draft_len, thinking_tokens)
+        correct_record_ref(f, tokens, carry, draft_len, thinking_tokens, num_nodes)
 
 
 def expand_record(start, count, nd, tokens, tables, block_size: int, draft_len: int | None = None,
@@ -144,9 +168,10 @@ def expand_record(start, count, nd, tokens, tables, block_size: int, draft_len: 
 
 if HAVE_TRITON:
     @triton.jit
-    def _correct_record_kernel(SRC, TOK, CARRY, START, COUNT, ND, OFFSETS, PREV, ROOM, CAP, FLAGS, B, Q, C,
-                               SPEC: tl.constexpr, D: tl.constexpr, D_BLOCK: tl.constexpr, BEGIN: tl.constexpr,
-                               END: tl.constexpr, THINK: tl.constexpr):
+    def _correct_record_kernel(SRC, TOK, CARRY, START, COUNT, ND, OFFSETS, PREV, ROOM, CAP, FLAGS, PAR, B, Q, C,
+                               SPEC: tl.constexpr, TREE: tl.constexpr, D: tl.constexpr, N: tl.constexpr,
+                               N_BLOCK: tl.constexpr, D_BLOCK: tl.constexpr, BEGIN: tl.constexpr, END: tl.constexpr,
+                               THINK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         src = tl.load(SRC + r)
         if src >= 0:
@@ -154,20 +179,36 @@ if HAVE_TRITON:
             if SPEC:
                 a = tl.minimum(tl.maximum(tl.load(row), 0), D)
                 delta = tl.load(PREV + r) - a
-                nd = tl.minimum(tl.maximum(tl.load(ROOM + r) + delta, 0), D)
-                nd = tl.minimum(nd, tl.load(CAP + r))
-                j = tl.arange(0, D_BLOCK).to(tl.int64)
+                limit = tl.minimum(tl.maximum(tl.load(ROOM + r) + delta, 0), D)
+                k = tl.arange(0, N_BLOCK).to(tl.int64)  # node k (column k + 1)
+                km = k < N
+                if TREE:  # each node's depth: the steps up its parents to the root
+                    par = tl.load(row + D + 2 + N + k, mask=km, other=0)
+                    cur = k + 1
+                    depth = k * 0
+                    for _ in range(D):
+                        up = cur > 0
+                        depth += up.to(tl.int64)
+                        cur = tl.where(up, tl.load(row + D + 1 + N + cur, mask=km & up, other=0), 0)
+                    count = tl.sum((km & (depth <= limit)).to(tl.int64), axis=0)
+                else:
+                    count = limit
+                nd = tl.minimum(count, tl.load(CAP + r))
                 bonus = tl.load(row + 1 + a)
-                drafts = tl.load(row + D + 1 + j, mask=(j >= 1) & (j <= nd), other=0)  # column j: draft j - 1
-                tl.store(TOK + r * Q + j, tl.where(j == 0, bonus, drafts), mask=j <= D)
+                j = k  # token column j: the bonus at 0, node j - 1 after it
+                node = tl.load(row + D + 1 + j, mask=(j >= 1) & (j <= nd), other=0)
+                tl.store(TOK + r * Q + j, tl.where(j == 0, bonus, node), mask=j <= N)
+                if TREE:
+                    tl.store(PAR + r * N + k, tl.where(k < nd, par, 0), mask=km)
                 tl.store(START + r, tl.load(START + r) - delta)
                 tl.store(OFFSETS + r, tl.load(OFFSETS + r) - delta)
                 tl.store(COUNT + r, 1 + nd)
                 tl.store(ND + r, nd)
                 if THINK:
-                    emitted = tl.load(row + 1 + j, mask=j <= a, other=-1)
-                    last_b = tl.max(tl.where((emitted == BEGIN) & (j <= a), j, -1), axis=0)
-                    last_e = tl.max(tl.where((emitted == END) & (j <= a), j, -1), axis=0)
+                    e = tl.arange(0, D_BLOCK).to(tl.int64)
+                    emitted = tl.load(row + 1 + e, mask=e <= a, other=-1)
+                    last_b = tl.max(tl.where((emitted == BEGIN) & (e <= a), e, -1), axis=0)
+                    last_e = tl.max(tl.where((emitted == END) & (e <= a), e, -1), axis=0)
                     th = tl.load(FLAGS + 3 * B + r)
                     th = tl.where(last_b > last_e, 1, tl.where(last_e > last_b, 0, th))
                     tl.store(FLAGS + 3 * B + r, th)

@@ -174,8 +174,6 @@ class ModelRunner:
         self.max_graph_q = min(max_len, model.config.max_position_embeddings)
         self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
-        if spec is not None and not spec.graph_steps:  # its layouts have no graphs yet: every step packed
-            rows = 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
         q = self.generation_q
         # overlap scheduler: the host stages a step while the device may not yet have copied the last one's inputs
@@ -304,7 +302,9 @@ class ModelRunner:
             floats: dict[str, list[float]] = {}
             switches = self._record_params(sched, b, ints, floats)
             ints["offsets"] = output_offsets(sched, b)
-            ints.update(overlap_fields(sched, b, self.generation_q - 1, self.carry.scratch))
+            spec = self.speculator
+            ints.update(overlap_fields(sched, b, spec.draft_len if spec is not None else 0, self.carry.scratch,
+                                       spec.num_nodes if spec is not None else 0))
             return stage_record(self._ints, sched, b, q, m, ints, tables, floats), switches
         if (last is not None and last.layout == layout and last.version == self._ints.version
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
@@ -334,7 +334,7 @@ class ModelRunner:
         seeds its sampling, and speculating, whether it is in its thinking phase."""
         out = {"offsets": [s.request.num_output_tokens for s in sched] + [0] * (rows - len(sched))}
         if self.speculator is not None:
-            out["flags"] = self.speculator.restaged_flags(sched, rows, first["flags"])
+            out.update(self.speculator.restaged(sched, rows, first))
         return out
 
     @staticmethod
@@ -353,10 +353,11 @@ class ModelRunner:
         b, q = rec.rows, rec.q
         spec = self.speculator
         if self.overlap and not layout.prefill:  # rows that continue the step in flight, from its results
-            correct_record(f, f["tokens"].view(b, q), self.carry.buf, q - 1,
-                           spec.thinking_tokens if spec is not None else (-1, -1))
+            correct_record(f, f["tokens"].view(b, q), self.carry.buf, spec.draft_len if spec is not None else 0,
+                           spec.thinking_tokens if spec is not None else (-1, -1),
+                           spec.num_nodes if spec is not None and spec.tree else None)
         tables = f["tables"].view(b, rec.table_width)
-        more = {} if spec is None else dict(draft_len=spec.draft_len, flags=f["flags"].view(4, b))
+        more = {} if spec is None else dict(draft_len=spec.num_nodes, flags=f["flags"].view(4, b))
         x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,
                           **more)
         meta = AttentionMetadata(
@@ -369,7 +370,7 @@ class ModelRunner:
         batch = StepBatch(input_ids=f["tokens"], positions=x["positions"].view(-1), meta=meta,
                           logits_indices=None if q == 1 else x["last"], sampling=sampling, result_rows=f.get("dst"))
         if spec is not None:
-            batch.spec = spec.graph_inputs(f, x, sampling, switches, not layout.prefill, host_rows or [])
+            batch.spec = spec.graph_inputs(f, x, sampling, switches, not layout.prefill, host_rows or [], meta)
         return batch
 
     # -- one step ------------------------------------------------------------------------------------------------

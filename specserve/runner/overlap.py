@@ -67,20 +67,24 @@ class StepCarry:
         return copy.host.tolist()
 
 
-def overlap_fields(sched, rows: int, draft_len: int, scratch: int) -> dict[str, list[int]]:
+def overlap_fields(sched, rows: int, draft_len: int, scratch: int, num_nodes: int = 0) -> dict[str, list[int]]:
     """A graph step's record fields for the overlap scheduler, [B] each: ``dst`` every row's carry column; ``src``
-    the carry column of the step in flight that a dependent row continues (-1: none); speculating, ``prev_nd``
-    the drafts that step verifies for it, ``room`` its room for drafts were every draft accepted
-    (``max_total_tokens - known - 1``, unclamped) and ``cap`` the drafts the step's token budget left it."""
+    the carry column of the step in flight that a dependent row continues (-1: none); speculating (D =
+    ``draft_len``; a draft tree's ``num_nodes`` N, a chain's D), ``prev_nd`` the drafts that step verifies for
+    it, ``room`` its room for drafts were every draft accepted (``max_total_tokens - known - 1``, unclamped) and
+    ``cap`` the drafts the step's token budget left it."""
     out = dict(dst=[s.column for s in sched] + [scratch] * (rows - len(sched)),
                src=[s.after.column if s.after is not None else -1 for s in sched] + [-1] * (rows - len(sched)))
     if draft_len:
+        n = max(num_nodes, draft_len)
         prev, room, cap = [], [], []
         for s in sched:
             r = s.request.max_total_tokens - (s.start + s.num_tokens - s.num_drafts) - 1
+            full = min(draft_len, max(0, r))  # the drafts it gets unless the budget cut them
+            full = n if full and n > draft_len else full  # a tree's: its largest count
             prev.append(s.after.num_drafts if s.after is not None else 0)
             room.append(r)
-            cap.append(s.num_drafts if s.num_drafts < min(draft_len, max(0, r)) else draft_len)
+            cap.append(s.num_drafts if s.num_drafts < full else n)
         pad = [0] * (rows - len(sched))
         out.update(prev_nd=prev + pad, room=room + pad, cap=cap + pad)
     return out

@@ -90,7 +90,10 @@ class Scheduler:
         if not e.sample:  # a prompt chunk: nothing sampled, nothing to correct
             return computed, req.num_tokens, 0, None
         known = computed + 1  # accepted drafts and the bonus
-        return computed, known, min(self.cfg.max_draft_len, max(0, req.max_total_tokens - known - 1)), e
+        drafts = min(self.cfg.max_draft_len, max(0, req.max_total_tokens - known - 1))
+        if drafts and self.cfg.num_verify_drafts > self.cfg.max_draft_len:
+            drafts = self.cfg.num_verify_drafts  # a tree's nodes under a room limit are known on the device only
+        return computed, known, drafts, e
 
     @staticmethod
     def _ends_in_flight(req: Request) -> bool:

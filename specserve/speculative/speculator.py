@@ -112,13 +112,14 @@ class Drafter:
 class Speculator:
     """Verify, accept and draft for every row of a step; held by ``ModelRunner`` (``speculator``)."""
 
-    graph_steps = True  # generation steps run as CUDA graphs
+    tree = False  # drafts a chain
 
     def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, spec: SpeculativeConfig,
                  block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         d = spec.max_draft_len
         self.spec = spec
         self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
+        self.num_nodes = d  # drafts a row verifies (a chain's D)
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
         self.drafter = Drafter(head, head_kv, block_size, d, model.rope.cos_cache.shape[0] - 1)
@@ -192,9 +193,11 @@ class Speculator:
         return self._switches(switches, cols)
 
     @staticmethod
-    def restaged_flags(sched, rows: int, flags: list[int]) -> list[int]:
-        """The flags field of a record staged whole for the same rows, with each row's thinking phase as now."""
-        return flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched))
+    def restaged(sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+        """The fields of a record staged whole for the same rows (``first``) that change between steps: the flags,
+        with each row's thinking phase as now."""
+        flags = first["flags"]
+        return {"flags": flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched))}
 
     @staticmethod
     def _switches(switches: StepSwitches, cols: dict[str, list[int]]) -> StepSwitches:
@@ -213,9 +216,10 @@ class Speculator:
                           row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc, host_rows=host_rows)
 
     def graph_inputs(self, f: dict, x: dict, sampling: SamplingTensors, switches: StepSwitches, verify_all: bool,
-                     host_rows: list) -> SpecInputs:
+                     host_rows: list, meta=None) -> SpecInputs:
         """Inside a graph step: its ``SpecInputs`` from the record's views ``f`` and their expansion ``x``
-        (``kernels.step_inputs``)."""
+        (``kernels.step_inputs``); ``meta``, the step's attention layout, as it is (a chain's queries are
+        causal)."""
         can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)  # [B] bool each
         acc = self.verifier.inputs(sampling, greedy, can_accept, relaxed, f["relaxed_topk"], f["relaxed_delta"],
                                    thinking, switches)

@@ -17,8 +17,9 @@ One step, after the target's forward pass over every row's tokens:
    depth (a child never scores above its parent, so the set holds every node's parent).
 5. one device -> host copy: accepted count, emitted tokens, the next tree's tokens and parents.
 
-Trees run as packed (eager) steps, their attention on the PyTorch reference (the Triton kernel and CUDA graphs of
-tree layouts are later work). Nothing here knows which head it runs.
+Generation steps run as CUDA graphs (a layout of 1 + N tokens a row; ``graph_inputs`` derives positions by depth
+and the ancestor bits from the staged parents on the device), as a chain's do. Nothing here knows which head it
+runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from specserve.speculative.accept import AcceptInputs
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.heads import DraftHead
 from specserve.speculative.speculator import ACCEPT_INTS, Verifier, acceptance_columns
-from specserve.speculative.tree_accept import accept_tree, compact_path_kv, node_depths
+from specserve.kernels.step_inputs import node_depths
+from specserve.speculative.tree_accept import accept_tree, compact_path_kv
 
 
 @dataclass
@@ -72,7 +74,7 @@ class TreeSpeculator:
     """Verify a draft tree, accept a path, move its KV into place and draft the next tree, for every row of a
     step; held by ``ModelRunner`` (``speculator``) in place of ``Speculator``."""
 
-    graph_steps = False  # tree layouts run as packed steps (no CUDA graphs yet)
+    tree = True
 
     def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, target_kv: list,
                  spec: SpeculativeConfig, block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
@@ -156,6 +158,62 @@ class TreeSpeculator:
                           num_nodes=a["num_nodes"], base_col=a["base_col"], t0=a["t0"], start=a["start"],
                           ext=a["ext"], row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc,
                           host_rows=host_rows)
+
+    # -- graph steps: the record's fields and their device views ----------------------------------------------
+    def record_params(self, sched, rows: int, ints: dict, floats: dict, switches: StepSwitches) -> StepSwitches:
+        """A graph step's per-row acceptance settings and the trees' parents [B * N] as record fields."""
+        cols, floats["relaxed_delta"] = acceptance_columns([s.request for s in sched], rows, self.spec)
+        can_accept = [int(s.sample) for s in sched] + [0] * (rows - len(sched))
+        ints["flags"] = can_accept + cols["greedy"] + cols["relaxed"] + cols["thinking"]
+        ints["relaxed_topk"] = cols["relaxed_topk"]
+        ints["parents"] = self._parents(sched, rows)
+        return StepSwitches(switches.all_greedy, switches.needs_filter, simple_greedy=switches.all_greedy)
+
+    def restaged(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+        """The fields that change between graph steps of the same rows: the flags (thinking phase) and parents."""
+        flags = first["flags"]
+        return {"flags": flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched)),
+                "parents": self._parents(sched, rows)}
+
+    def _parents(self, sched, rows: int) -> list[int]:
+        """Every row's tree parents, padded to N (rows without nodes, padding rows, and rows that continue the
+        step in flight, whose tree the device takes from that step: zeros)."""
+        n = self.num_nodes
+        out: list[int] = []
+        for s in sched:
+            got = s.request.spec_parents[:s.num_drafts] if s.num_drafts and s.after is None else []
+            out += got + [0] * (n - len(got))
+        return out + [0] * (n * (rows - len(sched)))
+
+    def graph_inputs(self, f: dict, x: dict, sampling: SamplingTensors, switches: StepSwitches, verify_all: bool,
+                     host_rows: list, meta: AttentionMetadata) -> TreeInputs:
+        """Inside a graph step: its ``TreeInputs`` from the record's views ``f`` and their expansion ``x``; a row
+        with nodes gets positions by depth (in place, in the step's positions) and its tree's ancestor bits (in
+        ``meta``)."""
+        b, q = x["positions"].shape
+        n, d = self.num_nodes, self.draft_len
+        parents = f["parents"].view(b, n)
+        nd = f["num_drafts"]
+        col = torch.arange(q, device=parents.device)
+        cols = torch.arange(n + 1, device=parents.device)
+        tree_row = (nd > 0)[:, None]
+        bits = torch.bitwise_left_shift(torch.ones_like(cols), cols).expand(b, n + 1).clone()  # [B, N+1]
+        for _ in range(d):
+            bits[:, 1:] = bits.gather(1, parents) | bits[:, 1:]
+        live = tree_row & (col[None, :n + 1] <= nd[:, None])  # [B, N+1]: the root and the row's nodes
+        pos = x["positions"]
+        meta.query_pos = pos.clone()  # the mask's positions stay the columns' (expand_record's one tensor for both)
+        pos[:, :n + 1] = torch.where(live, f["start"][:, None] + node_depths(parents, d), pos[:, :n + 1])
+        full = torch.full((b, q), -1, dtype=torch.int64, device=parents.device)
+        full[:, :n + 1] = torch.where(live, bits, -1)
+        meta.tree_bits, meta.tree_base = full, f["start"]
+        can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)
+        acc = self.verifier.inputs(sampling, greedy, can_accept, relaxed, f["relaxed_topk"], f["relaxed_delta"],
+                                   thinking, switches)
+        return TreeInputs(verify_idx=x["verify_idx"], nodes=x["drafts"], parents=parents, num_nodes=nd,
+                          base_col=x["base_col"], t0=x["t0"], start=f["start"], ext=x["ext"],
+                          row_of_token=x["row_of_token"].view(-1), col_of_token=x["col_of_token"].reshape(-1),
+                          accept=acc, host_rows=host_rows)
 
     # -- device: verify, accept, compact, draft --------------------------------------------------------------
     def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
@@ -291,7 +349,8 @@ class TreeSpeculator:
                 out.append(RowResult([]))
                 continue
             acc = row[0]
-            verified = s.request.spec_parents[:s.num_drafts] if s.num_drafts else []
+            # the tree this step verified is still the request's (a dropped row's request may have none)
+            verified = (s.request.spec_parents or [])[:s.num_drafts]
             out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + n]), s.num_drafts, acc,
                                  parents=list(row[d + 2 + n:]), depth=max(tree_depths(verified), default=0)))
         return out
@@ -310,4 +369,4 @@ def tree_depths(parents: list[int]) -> list[int]:
     return tree_layout(parents)[0][1:]
 
 
-__all__ = ["TreeInputs", "TreeSpeculator", "node_depths", "tree_depths", "tree_layout"]
+__all__ = ["TreeInputs", "TreeSpeculator", "tree_depths", "tree_layout"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.argmax import argmax_lastdim
+from specserve.kernels.step_inputs import node_depths
 from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 from specserve.speculative.accept import AcceptInputs, _uniform_scalar
 
@@ -33,15 +34,6 @@ class TreeResult:
     accepted: torch.Tensor  # [B] int64: depth of the accepted path
     path: torch.Tensor  # [B, D] int64: column of the accepted node at each depth 1..accepted (0 past it)
     emitted: torch.Tensor  # [B, D+1] int64: the path's tokens, then the bonus
-
-
-def node_depths(parents: torch.Tensor, depth: int) -> torch.Tensor:
-    """parents [B, N] (columns, 0 the root) -> depth of every column [B, N+1] (the root 0; nodes <= ``depth``)."""
-    b, n = parents.shape
-    d = torch.zeros(b, n + 1, dtype=torch.int64, device=parents.device)
-    for _ in range(depth):
-        d[:, 1:] = d.gather(1, parents) + 1
-    return d
 
 
 def accept_tree(logits: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
