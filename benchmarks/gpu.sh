@@ -28,6 +28,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   bars         every batch-1 bar in one run: 8 chat prompts, exactly 256 tokens each, plain, EAGLE-3,
                transformers eager and static cache + compile; 500 s
   throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
+  trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
+               total: 2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48), plain decoding beside them; 580 s
   overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
                ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
                per step with; 420 s
@@ -189,6 +191,9 @@ for st in "$@"; do
     throughput) need_model && bench "$(lim 120)" --model $M --draft $HEAD --draft-len 4 \
                   --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput \
                   | tail -16 ;;
+    trees) need_model && bench "$(lim 580)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 8 32 \
+             --tree ${TREES_SHAPES:-2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48} --max-tokens 256 --num-prompts 16 \
+             --repeats 2 --out $OUT/trees | tail -40 ;;
     overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
                --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" \
                --steps 1 --out $OUT/overlap | tail -40 ;;

@@ -307,6 +307,9 @@ def _bench_parser(sub) -> None:
     b.add_argument("--enforce-eager", action="store_true")
     b.add_argument("--disable-async-output-proc", action="store_true",
                    help="detokenize and report each step before launching the next")
+    b.add_argument("--tree", dest="trees", nargs="*", default=[], metavar="KxDxN",
+                   help="also run these draft trees (topk x depth x total draft tokens, e.g. 4x5x24) beside the "
+                        "chain of --draft-len drafts, each a speculative engine of its own")
     b.add_argument("--overlap", default="on", choices=["on", "off", "both"],
                    help="the overlap scheduler (on CUDA with graphs); both: each engine with it, then without, "
                         "with the gain at each batch size")
@@ -329,6 +332,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
                           async_output=False if a.disable_async_output_proc else None, overlap=a.overlap,
+                          trees=a.trees,
                           kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:

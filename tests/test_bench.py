@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from specserve.bench.report import table
 from specserve.bench.run import BenchConfig, run_bench
 from specserve.cli import main
 from tiny_models import make_head, make_hf_model
@@ -81,6 +82,22 @@ def test_bench_overlap_both_runs_each_engine_with_and_without_it(dirs):
         sum(per_round) / 2)
     with pytest.raises(ValueError, match="--overlap"):
         BenchConfig(overlap="sometimes")
+
+
+def test_bench_runs_draft_trees_beside_the_chain(dirs):
+    res = run_bench(BenchConfig(model=str(dirs / "target"), draft=str(dirs / "eagle3"), draft_len=2, num_prompts=2,
+                                max_tokens=6, repeats=1, device="cpu", dtype="float32", trees=["2x2x4", "3x3x9"],
+                                batch_sizes=[1, 2]))
+    kinds = {(r["speculative"], r["batch"]): r for r in res["rows"]}
+    assert set(kinds) == {(k, b) for k in (False, True, "tree 2x2x4", "tree 3x3x9") for b in (1, 2)}
+    tree = kinds[("tree 3x3x9", 2)]
+    assert tree["draft_len"] == 3 and tree["acceptance_length"] >= 1.0
+    assert tree["first_tokens"] == kinds[(False, 2)]["first_tokens"]  # greedy: lossless
+    assert "specserve+tree 3x3x9 / specserve+spec @ batch 2" in res["ratios"]
+    assert "specserve+tree 2x2x4 / specserve @ batch 1" in res["ratios"]
+    assert "| tree 2x2x4 |" in table(res)
+    with pytest.raises(ValueError, match="--tree"):
+        BenchConfig(trees=["2x4"])
 
 
 def test_two_rounds_report_the_mean_of_their_ratios():

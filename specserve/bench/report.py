@@ -26,7 +26,8 @@ def table(result: dict) -> str:
              "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | weight GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        spec = "on" if r.get("speculative") else "off"
+        kind = r.get("speculative")
+        spec = kind if isinstance(kind, str) else ("on" if kind else "off")
         overlap = {True: "on", False: "off"}.get(r.get("overlap"), "-")
         al = _f(r.get("acceptance_length"), ".2f")
         pp = " ".join(f"{p:.2f}" for p in r.get("per_position_acceptance") or []) or "-"
@@ -70,8 +71,9 @@ def write_outputs(out: Path, result: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict = {}
     for r in result["rows"]:
-        name = r["engine"] + (" + spec" if r.get("speculative") else "") + (" (no overlap)" if r.get("overlap") is
-                                                                           False else "")
+        kind = r.get("speculative")
+        name = r["engine"] + (f" + {kind}" if isinstance(kind, str) else " + spec" if kind else "")
+        name += " (no overlap)" if r.get("overlap") is False else ""
         series.setdefault(name, []).append((r["batch"], r["tokens_per_s"]))
     for name, pts in series.items():
         pts.sort()

@@ -43,6 +43,8 @@ class BenchConfig:
     method: str = "eagle3"
     draft: str | None = None  # head folder, "random", or None: the shipped head for the default model
     draft_len: int = 4
+    # draft trees to run besides the chain, each "KxDxN" (topk, depth, max_total_draft_tokens)
+    trees: list[str] = field(default_factory=list)
     forced_acceptance: float | None = None
     dtype: str = "auto"
     device: str | None = None
@@ -62,6 +64,8 @@ class BenchConfig:
         for name in ("speculative", "overlap"):
             if getattr(self, name) not in ("on", "off", "both"):
                 raise ValueError(f"--{name} must be on, off or both, got {getattr(self, name)!r}")
+        for t in self.trees:
+            tree_shape(t)
         bad = [c for c in self.compare if c not in ("hf", "hf-compile")]
         if bad:
             raise ValueError(f"--compare takes hf and/or hf-compile, got {bad}")
@@ -72,6 +76,15 @@ class BenchConfig:
         if not self.prompts and self.random_input_len is None and self.model is not None and \
                 str(self.model).startswith("random:"):
             self.random_input_len = 128
+
+
+def tree_shape(text: str) -> tuple[int, int, int]:
+    """"KxDxN" -> (topk, depth, max_total_draft_tokens)."""
+    try:
+        k, d, n = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--tree takes TOPKxDEPTHxTOTAL (e.g. 4x5x24), got {text!r}") from None
+    return k, d, n
 
 
 def _sync(device: torch.device) -> None:
@@ -140,7 +153,9 @@ def median_rounds(rows: list[dict]) -> list[dict]:
 
 
 def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
-                    overlap: bool = True) -> list[dict]:
+                    overlap: bool = True, tree: str | None = None) -> list[dict]:
+    """One engine (speculation off, the chain, or the draft tree ``tree``) at every batch size -> rows; a row's
+    ``speculative`` is False, True (the chain) or "tree KxDxN"."""
     from specserve import LLM, SamplingParams
     from specserve.bench.steps import target_read_bytes
     from specserve.core.metrics import SpecStats
@@ -152,10 +167,15 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
               max_cuda_graph_batch_size=max_b)
     if cfg.kv_cache_memory_bytes:
         kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    depth = cfg.draft_len
     if spec:
-        kw["speculative_config"] = _spec_config(cfg)
+        kw["speculative_config"] = sc = _spec_config(cfg)
+        if tree is not None:
+            k, depth, n = tree_shape(tree)
+            sc.update(topk=k, max_draft_len=depth, max_total_draft_tokens=n)
+    kind = ("tree " + tree) if tree else spec
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
-    bar = _progress(f"specserve spec={'on' if spec else 'off'}{'' if overlap else ' no overlap'}{label}",
+    bar = _progress(f"specserve spec={_spec_label(kind)}{'' if overlap else ' no overlap'}{label}",
                     len(cfg.batch_sizes) * (cfg.repeats + 1))
     bar.set_postfix_str("loading")
     llm = LLM(cfg.model, **kw)
@@ -168,7 +188,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     for b in cfg.batch_sizes:
         batch = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(max(b, len(prompt_ids)))]
         eng.scheduler.cfg.max_num_seqs = b  # at most b requests in flight (the engine was sized for the largest)
-        head_bytes = head.draft_read_bytes(cfg.draft_len, b) if head is not None else 0  # per draft loop
+        head_bytes = head.draft_read_bytes(depth, b) if head is not None else 0  # per draft loop (a tree's: more)
         runs = []
         for r in range(cfg.repeats + 1):  # the first is the warm-up
             eng.spec_stats = SpecStats()
@@ -191,7 +211,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                 if o.timings().get("ttft_s") is not None and o.timings().get("queue_s") is not None]
         tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
         n_tok = sum(len(o.token_ids) for o in outs)
-        row = dict(engine="specserve", speculative=spec, overlap=eng.overlap, batch=b, requests=len(batch),
+        row = dict(engine="specserve", speculative=kind, overlap=eng.overlap, batch=b, requests=len(batch),
                    new_tokens=round(n_tok / len(outs), 1),
                    seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
                    steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
@@ -205,9 +225,9 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                    graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0)
         if spec:
             row.update(acceptance_length=st.acceptance_length, per_position_acceptance=st.per_position,
-                       draft_len=cfg.draft_len, forced_acceptance=cfg.forced_acceptance)
+                       draft_len=depth, forced_acceptance=cfg.forced_acceptance)
         rows.append(row)
-        log.info("specserve spec=%s batch=%d: %.1f tok/s", spec, b, row["tokens_per_s"])
+        log.info("specserve spec=%s batch=%d: %.1f tok/s", _spec_label(kind), b, row["tokens_per_s"])
     bar.close()
     del llm, eng
     if dev.type == "cuda":
@@ -333,10 +353,13 @@ def run_bench(cfg: BenchConfig) -> dict:
     eos = mcfg.eos_token_ids or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())  # as the engine
     order = {"on": [True], "off": [False], "both": [False, True]}
     for i in range(cfg.rounds):  # alternately: every round runs each engine afresh
-        for spec in order[cfg.speculative]:
+        variants = [(spec, None) for spec in order[cfg.speculative]]
+        if True in order[cfg.speculative]:
+            variants += [(True, t) for t in cfg.trees]
+        for spec, tree in variants:
             for overlap in order[cfg.overlap][::-1]:
                 rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1
-                                        else "", overlap=overlap)
+                                        else "", overlap=overlap, tree=tree)
     rows = median_rounds(rows)
     extras: dict = {}
     for c in cfg.compare:
@@ -425,7 +448,7 @@ def _ratios(rows: list[dict]) -> dict:
     for (spec, overlap, b), r in both.items():
         off = both.get((spec, False, b))
         if overlap and off is not None:
-            name = f"{'specserve+spec' if spec else 'specserve'} overlap on / off @ batch {b}"
+            name = f"{_engine_name(spec)} overlap on / off @ batch {b}"
             out[name] = r["tokens_per_s"] / off["tokens_per_s"]
             if "round_tokens_per_s" in r:
                 each = sorted(x / y for x, y in zip(r["round_tokens_per_s"], off["round_tokens_per_s"]))
@@ -435,19 +458,31 @@ def _ratios(rows: list[dict]) -> dict:
     for (eng, spec, b), tps in by.items():
         if eng != "specserve":
             continue
-        name = "specserve+spec" if spec else "specserve"
+        name = _engine_name(spec)
         for base in ("transformers", "transformers+compile"):
             if (base, False, b) in by:
                 out[f"{name} / {base} @ batch {b}"] = tps / by[(base, False, b)]
-        if spec and ("specserve", False, b) in by:
-            out[f"specserve+spec / specserve @ batch {b}"] = tps / by[("specserve", False, b)]
+        for base in (False, True):  # over the plain engine; a tree's also over the chain
+            if spec and spec is not base and ("specserve", base, b) in by:
+                out[f"{name} / {_engine_name(base)} @ batch {b}"] = tps / by[("specserve", base, b)]
     # rounds: the ratio within each round (the engines ran one after the other), their median
     rounds = {(r["speculative"], r["batch"]): r["round_tokens_per_s"] for r in rows if "round_tokens_per_s" in r}
     for (spec, b), tps in rounds.items():
-        if spec and (False, b) in rounds:
-            each = sorted(s / p for s, p in zip(tps, rounds[(False, b)]))
-            out[f"specserve+spec / specserve @ batch {b}, median of {len(each)} rounds"] = statistics.median(each)
+        for base in (False, True):
+            if spec and spec is not base and (base, b) in rounds:
+                each = sorted(s / p for s, p in zip(tps, rounds[(base, b)]))
+                out[f"{_engine_name(spec)} / {_engine_name(base)} @ batch {b}, median of {len(each)} rounds"] = \
+                    statistics.median(each)
     return out
+
+
+def _spec_label(kind) -> str:
+    """A row's ``speculative`` in words: off, on (the chain) or the tree's shape."""
+    return kind if isinstance(kind, str) else ("on" if kind else "off")
+
+
+def _engine_name(kind) -> str:
+    return "specserve" if not kind else ("specserve+spec" if kind is True else f"specserve+{kind}")
 
 
 def check_steps(cfg: BenchConfig, dev: torch.device) -> None:
