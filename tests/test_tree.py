@@ -182,8 +182,8 @@ def small_vocab(tmp_path_factory):
 
 
 def _first_tokens(root, tree: bool, n: int, biased: bool = False) -> tuple[Counter, float]:
-    cfg = dict(method="mtp", draft_model=str(root / "h"), max_draft_len=2, topk=3, max_total_draft_tokens=6) \
-        if tree else None
+    cfg = dict(method="mtp", draft_model=str(root / "h"), max_draft_len=2, topk=3, max_total_draft_tokens=6,
+               tree_max_batch_size=512) if tree else None
     llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=512, num_kv_blocks=1500,
               speculative_config=cfg)
     if biased:
@@ -251,3 +251,23 @@ def test_tree_graph_layouts_equal_packed_steps(dirs, reference, head):
     _oracle(llm, reference, 3)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.engine.spec_stats.per_position == [1.0] * 3
+
+
+def test_steps_of_many_rows_draft_chains(dirs, reference):
+    """Past ``tree_max_batch_size`` rows a step drafts a chain through the tree's code: the next step's graph
+    layout is 1 + D tokens a row, the output is still plain decoding's, and steps of few rows draft trees again
+    (the last requests of a batch)."""
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    llm = _tree_llm(dirs, "eagle3", 3, 3, 9, max_num_batched_tokens=512)
+    llm.engine.spec_config.tree_max_batch_size = 3
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    pick, qs = runner.graph_layout, []
+    runner.graph_layout = lambda batch: qs.append((len(batch.scheduled), pick(batch))) or qs[-1][1]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [r[:6 + 2 * i] for i, r in enumerate(reference)]
+    gen = [(rows, lay.q) for rows, lay in qs if lay is not None and not lay.prefill]
+    assert any(q == 4 for rows, q in gen if rows > 3)  # chains: 1 + D
+    assert any(q == 10 for rows, q in gen if rows <= 3)  # trees again: 1 + N

@@ -81,14 +81,15 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
     k = torch.arange(n, device=tokens.device)
     if num_nodes:  # carry rows: accepted, D + 1 emitted, N nodes, N parents
         par = c[:, d + 2 + n:d + 2 + 2 * n]  # [B, N]
-        depth = node_depths(par, d)[:, 1:]  # [B, N]
+        depth = node_depths(par, d + 1)[:, 1:]  # [B, N]: a chain's unused nodes lie at depth D + 1
         count = (depth <= limit[:, None]).sum(dim=1)
     else:
         count = limit
     nd = torch.where(dep, torch.minimum(count, f["cap"]), f["num_drafts"])  # [B]
     emitted = c[:, 1:d + 2]  # [B, D+1]
     new = torch.cat([emitted.gather(1, a[:, None]), torch.where(k < nd[:, None], c[:, d + 2:d + 2 + n], 0)], 1)
-    tokens[:, :n + 1] = torch.where(dep[:, None], new, tokens[:, :n + 1])
+    w = min(n + 1, tokens.shape[1])  # a tree step whose rows all verify chains has a layout of 1 + D tokens
+    tokens[:, :w] = torch.where(dep[:, None], new[:, :w], tokens[:, :w])
     if num_nodes:
         parents = f["parents"].view(-1, n)
         parents.copy_(torch.where(dep[:, None], torch.where(k < nd[:, None], par, 0), parents))
@@ -186,7 +187,7 @@ if HAVE_TRITON:
                     par = tl.load(row + D + 2 + N + k, mask=km, other=0)
                     cur = k + 1
                     depth = k * 0
-                    for _ in range(D):
+                    for _ in range(D + 1):  # a chain's unused nodes lie at depth D + 1
                         up = cur > 0
                         depth += up.to(tl.int64)
                         cur = tl.where(up, tl.load(row + D + 1 + N + cur, mask=km & up, other=0), 0)
@@ -197,7 +198,7 @@ if HAVE_TRITON:
                 bonus = tl.load(row + 1 + a)
                 j = k  # token column j: the bonus at 0, node j - 1 after it
                 node = tl.load(row + D + 1 + j, mask=(j >= 1) & (j <= nd), other=0)
-                tl.store(TOK + r * Q + j, tl.where(j == 0, bonus, node), mask=j <= N)
+                tl.store(TOK + r * Q + j, tl.where(j == 0, bonus, node), mask=(j <= N) & (j < Q))
                 if TREE:
                     tl.store(PAR + r * N + k, tl.where(k < nd, par, 0), mask=km)
                 tl.store(START + r, tl.load(START + r) - delta)

@@ -101,7 +101,9 @@ class ModelRunner:
         if self.graphs is None:
             return None
         if all(self._generation_row(s) for s in batch.scheduled):
-            return self._layout(batch, self.generation_q)
+            spec = self.speculator
+            q = 1 if spec is None else spec.verify_q(max(s.num_drafts for s in batch.scheduled))
+            return self._layout(batch, q)
         return self._prefill_layout(batch)
 
     @staticmethod
@@ -357,7 +359,9 @@ class ModelRunner:
                            spec.thinking_tokens if spec is not None else (-1, -1),
                            spec.num_nodes if spec is not None and spec.tree else None)
         tables = f["tables"].view(b, rec.table_width)
-        more = {} if spec is None else dict(draft_len=spec.num_nodes, flags=f["flags"].view(4, b))
+        # a generation layout verifies its q - 1 drafts a row (a tree step drafting chains: D), a prefill the most
+        drafts = None if spec is None else spec.num_nodes if layout.prefill else q - 1
+        more = {} if spec is None else dict(draft_len=drafts, flags=f["flags"].view(4, b))
         x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,
                           **more)
         meta = AttentionMetadata(
@@ -383,6 +387,10 @@ class ModelRunner:
         generation rows with a few rows that end their prompts runs as several graph replays (``_split``): on
         the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites)."""
+        if self.speculator is not None:  # the drafts this step proposes (a tree or a chain, by its rows)
+            most = self.speculator.plan_step(len(batch.scheduled))
+            for s in batch.scheduled:
+                s.next_drafts = most
         if self.overlap:
             return self._launch_overlap(batch)
         layout = self.graph_layout(batch)

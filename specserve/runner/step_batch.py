@@ -62,6 +62,7 @@ class StepSwitches:
     needs_filter: bool  # some row filters top-k / top-p / min-p
     simple_greedy: bool = False  # speculating: every row greedy and none relaxed (acceptance reads the argmax only)
     max_topk: int = 1  # speculating: the largest relaxed top-k of the batch
+    draft_topk: int = 1  # draft trees: children a node expands this step (1: the step drafts a chain)
 
 
 @dataclass

@@ -11,6 +11,8 @@ METHODS = ("eagle3", "mtp")
 MAX_DRAFT_LEN = 16  # longest draft chain a step may propose (the draft loop is unrolled up to it)
 MAX_TOPK = 8  # children a tree node expands
 MAX_TREE_NODES = 63  # a tree's nodes, and a tree step's expanded nodes: one bit each in an int64 ancestor mask
+# steps of more rows draft chains (``tree_max_batch_size``): past a few rows a verify step's cost grows with its tokens
+TREE_MAX_BATCH = 8
 # other projects' spellings of the fields (SGLang, TensorRT-LLM, vLLM), accepted in a speculative_config dict
 ALIASES = {"num_speculative_tokens": "max_draft_len", "eagle_topk": "topk", "dynamic_tree_max_topK": "topk"}
 
@@ -51,6 +53,9 @@ class SpeculativeConfig:
         ``dynamic_tree_max_topK`` (TensorRT-LLM); ``num_speculative_tokens`` is ``max_draft_len``.
       max_total_draft_tokens: nodes of a tree (at least ``max_draft_len``, at most 63); None: ``topk`` x
         ``max_draft_len`` capped at 63 (a chain: ``max_draft_len``).
+      tree_max_batch_size: a step of more rows than this drafts a chain of ``max_draft_len`` (its next verify
+        step then costs 1 + D tokens a row instead of 1 + N): a tree's wider verify step pays only where the
+        step's cost hardly grows with its rows. None: ``TREE_MAX_BATCH``.
 
     A draft-length schedule is a later field.
     """
@@ -68,6 +73,7 @@ class SpeculativeConfig:
     end_thinking_phase_token: int | str | None = None
     topk: int = 1
     max_total_draft_tokens: int | None = None
+    tree_max_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         found = None
@@ -116,6 +122,11 @@ class SpeculativeConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not d <= n <= MAX_TREE_NODES:
             raise ValueError(f"max_total_draft_tokens must be an integer in [max_draft_len={d}, {MAX_TREE_NODES}], "
                              f"got {n!r}")
+        if self.tree_max_batch_size is None:
+            self.tree_max_batch_size = TREE_MAX_BATCH
+        b = self.tree_max_batch_size
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise ValueError(f"tree_max_batch_size must be an integer >= 0, got {b!r}")
         if k == 1 and n != d:
             raise ValueError(f"a chain (topk=1) verifies max_draft_len={d} drafts; max_total_draft_tokens={n} needs "
                              "topk > 1")

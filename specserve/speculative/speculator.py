@@ -144,6 +144,14 @@ class Speculator:
         """Rows of a step's result: accepted count, D + 1 emitted tokens, D drafts."""
         return 2 * self.draft_len + 2
 
+    def plan_step(self, rows: int) -> int:
+        """Before a step of ``rows`` rows is staged -> the drafts it proposes a row at most (a chain: D)."""
+        return self.draft_len
+
+    def verify_q(self, max_drafts: int) -> int:
+        """Tokens a row of a generation step's graph layout takes, for rows of at most ``max_drafts`` drafts."""
+        return self.spec.verify_len
+
     # -- host: what a step stages per row ---------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """The integer and float arrays a packed step stages for speculation, by name and shape."""

@@ -57,6 +57,7 @@ class TreeInputs:
     row_of_token: torch.Tensor  # [T] int64
     col_of_token: torch.Tensor  # [T] int64
     accept: AcceptInputs
+    topk: int = 1  # host-known: children a node expands in this step's drafting (1: a chain)
     host_rows: list = field(default_factory=list)
 
 
@@ -87,6 +88,7 @@ class TreeSpeculator:
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens
         self.max_pos = model.rope.cos_cache.shape[0] - 1
+        self.step_topk = self.topk  # this step's drafting (``plan_step``)
 
     @property
     def verify_len(self) -> int:
@@ -104,6 +106,16 @@ class TreeSpeculator:
     def result_width(self) -> int:
         """Rows of a step's result: accepted count, D + 1 emitted tokens, N node tokens, N parents."""
         return 2 + self.draft_len + 2 * self.num_nodes
+
+    def plan_step(self, rows: int) -> int:
+        """A step of more than ``tree_max_batch_size`` rows drafts a chain (a tree of one child a node, whose next
+        verify step takes 1 + D tokens a row) -> the drafts it proposes a row at most."""
+        self.step_topk = self.topk if rows <= self.spec.tree_max_batch_size else 1
+        return self.num_nodes if self.step_topk > 1 else self.draft_len
+
+    def verify_q(self, max_drafts: int) -> int:
+        """A generation layout's tokens a row: 1 + D where every row verifies a chain's worth, else 1 + N."""
+        return 1 + (self.draft_len if max_drafts <= self.draft_len else self.num_nodes)
 
     # -- host: a packed step's arrays ------------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -148,7 +160,11 @@ class TreeSpeculator:
             elif not s.sample:  # prompt lookahead: the next known token after a non-final chunk
                 nxt = req.token_ids[s.start + s.num_tokens:s.start + s.num_tokens + 1]
                 ext[i, s.num_tokens:s.num_tokens + len(nxt)] = nxt
-        return StepSwitches(switches.all_greedy, switches.needs_filter, simple_greedy=switches.all_greedy)
+        return self._switches(switches)
+
+    def _switches(self, switches: StepSwitches) -> StepSwitches:
+        return StepSwitches(switches.all_greedy, switches.needs_filter, simple_greedy=switches.all_greedy,
+                            draft_topk=self.step_topk)
 
     def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
                       switches: StepSwitches, host_rows: list) -> TreeInputs:
@@ -157,7 +173,7 @@ class TreeSpeculator:
         return TreeInputs(verify_idx=a["verify_idx"], nodes=a["nodes"], parents=a["parents"],
                           num_nodes=a["num_nodes"], base_col=a["base_col"], t0=a["t0"], start=a["start"],
                           ext=a["ext"], row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc,
-                          host_rows=host_rows)
+                          topk=switches.draft_topk, host_rows=host_rows)
 
     # -- graph steps: the record's fields and their device views ----------------------------------------------
     def record_params(self, sched, rows: int, ints: dict, floats: dict, switches: StepSwitches) -> StepSwitches:
@@ -167,7 +183,7 @@ class TreeSpeculator:
         ints["flags"] = can_accept + cols["greedy"] + cols["relaxed"] + cols["thinking"]
         ints["relaxed_topk"] = cols["relaxed_topk"]
         ints["parents"] = self._parents(sched, rows)
-        return StepSwitches(switches.all_greedy, switches.needs_filter, simple_greedy=switches.all_greedy)
+        return self._switches(switches)
 
     def restaged(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
         """The fields that change between graph steps of the same rows: the flags (thinking phase) and parents."""
@@ -191,8 +207,8 @@ class TreeSpeculator:
         with nodes gets positions by depth (in place, in the step's positions) and its tree's ancestor bits (in
         ``meta``)."""
         b, q = x["positions"].shape
-        n, d = self.num_nodes, self.draft_len
-        parents = f["parents"].view(b, n)
+        n, d = x["drafts"].shape[1], self.draft_len  # the layout's drafts a row (N, or D where all are chains)
+        parents = f["parents"].view(b, self.num_nodes)[:, :n]
         nd = f["num_drafts"]
         col = torch.arange(q, device=parents.device)
         cols = torch.arange(n + 1, device=parents.device)
@@ -213,7 +229,7 @@ class TreeSpeculator:
         return TreeInputs(verify_idx=x["verify_idx"], nodes=x["drafts"], parents=parents, num_nodes=nd,
                           base_col=x["base_col"], t0=x["t0"], start=f["start"], ext=x["ext"],
                           row_of_token=x["row_of_token"].view(-1), col_of_token=x["col_of_token"].reshape(-1),
-                          accept=acc, host_rows=host_rows)
+                          accept=acc, topk=switches.draft_topk, host_rows=host_rows)
 
     # -- device: verify, accept, compact, draft --------------------------------------------------------------
     def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
@@ -227,6 +243,10 @@ class TreeSpeculator:
         root_pos = x.start + x.base_col
         compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
         nodes, parents = self.draft(batch, hidden, aux, res)
+        if nodes.shape[1] < n:  # a chain: the unused nodes hang below its deepest one (depth D + 1: never kept)
+            pad = n - nodes.shape[1]
+            nodes = torch.cat((nodes, torch.zeros_like(nodes[:, :1]).expand(b, pad)), 1)
+            parents = torch.cat((parents, torch.full_like(parents[:, :1], d).expand(b, pad)), 1)
         return torch.cat((res.accepted[None], res.emitted.t(), nodes.t(), parents.t()))  # [2 + D + 2N, B]
 
     def draft(self, batch: StepBatch, hidden: torch.Tensor, aux: list, res) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,13 +285,13 @@ class TreeSpeculator:
         last_pos = x.start + chain_len - 1
         one = _one_query(meta, last_pos, slot[:0], meta.block_tables)
         out = head.run_module(0, ids0, pos, h, meta0, self.head_kv[head.kv_layer(0)], rows=(last_idx, one))  # [B, H]
-        return self.expand(out, last_pos, ok, meta)
+        return self.expand(out, last_pos, ok, meta, x.topk)
 
-    def expand(self, last: torch.Tensor, last_pos: torch.Tensor, ok: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tree's expansion from each row's head output at its last accepted token ``last`` [B, H] -> nodes,
-        parents [B, N] (module docstring, step 4)."""
-        head, k, bs = self.head, self.topk, self.block_size
+    def expand(self, last: torch.Tensor, last_pos: torch.Tensor, ok: torch.Tensor, meta: AttentionMetadata,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's expansion from each row's head output at its last accepted token ``last`` [B, H], ``k``
+        children a node -> nodes, parents [B, N] (a chain, k = 1: [B, D]) (module docstring, step 4)."""
+        head, bs = self.head, self.block_size
         b = last.shape[0]
         dev = last.device
         lp = head.logits(0, last).log_softmax(dim=-1)  # [B, V']
@@ -316,12 +336,12 @@ class TreeSpeculator:
             f_bits = bits.gather(1, parent)
             next_id += k * k
         return self._select(torch.cat(cand_tok, 1), torch.cat(cand_par, 1), torch.cat(cand_score, 1),
-                            torch.cat(cand_depth, 1))
+                            torch.cat(cand_depth, 1), self.num_nodes if k > 1 else self.draft_len)
 
-    def _select(self, tok, par, score, depth) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidates [B, C] -> the N of highest cumulative log-probability as nodes and parent columns [B, N],
+    @staticmethod
+    def _select(tok, par, score, depth, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Candidates [B, C] -> the ``n`` of highest cumulative log-probability as nodes and parent columns [B, n],
         sorted by depth, then score."""
-        n = self.num_nodes
         # a child scores at most its parent: the depth term breaks a tie in the parent's favour
         key = score - 1e-6 * depth
         top = key.topk(n, dim=-1).indices  # [B, N]
@@ -351,8 +371,10 @@ class TreeSpeculator:
             acc = row[0]
             # the tree this step verified is still the request's (a dropped row's request may have none)
             verified = (s.request.spec_parents or [])[:s.num_drafts]
-            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + n]), s.num_drafts, acc,
-                                 parents=list(row[d + 2 + n:]), depth=max(tree_depths(verified), default=0)))
+            parents = list(row[d + 2 + n:])
+            keep = sum(1 for x in tree_depths(parents) if x <= d)  # a chain's unused nodes lie deeper
+            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + keep]), s.num_drafts, acc,
+                                 parents=parents[:keep], depth=max(tree_depths(verified), default=0)))
         return out
 
 
