@@ -1,4 +1,5 @@
-"""Building ``AcceptInputs`` for hand-built acceptance tests, and the chi-square test of two samples."""
+"""Building ``AcceptInputs`` for hand-built acceptance tests; sampled replies of a small-vocabulary model and the
+chi-square test of two samples, for tests of sampled acceptance through the engine."""
 
 from __future__ import annotations
 
@@ -54,3 +55,29 @@ def chi2_homogeneity(a: Counter, b: Counter, min_count: int = 10) -> tuple[float
 def chi2_critical(dof: int, z: float = 3.09) -> float:
     """Upper 0.1% point of chi-square (Wilson-Hilferty)."""
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def make_small_vocab(root):
+    """An 8-token-vocabulary Llama in ``root/t`` and an MTP head for it in ``root/h``: few enough outcomes that a few
+    thousand replies estimate their distribution."""
+    from tiny_models import make_head, make_hf_model
+
+    make_hf_model(root / "t", "llama", vocab_size=8, initializer_range=0.3, num_hidden_layers=2)
+    make_head(root / "h", root / "t", "mtp", num_modules=1, seed=5)
+    return root
+
+
+def sample_replies(root, spec: dict | None, n: int, prompt: list[int], seed: int = 0, biased: bool = False):
+    """``n`` 3-token replies to ``prompt`` at temperature 1, seeds ``seed`` + i, with the MTP head of
+    ``make_small_vocab`` and ``spec``'s settings (None: no speculation); ``biased``: the sampler keeps rejected
+    drafts in the bonus distribution -> (outputs, the engine's speculation statistics)."""
+    from specserve import LLM, SamplingParams
+
+    cfg = None if spec is None else dict(method="mtp", draft_model=str(root / "h"), **spec)
+    llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=512, num_kv_blocks=1500,
+              speculative_config=cfg)
+    if biased:
+        llm.engine.runner.speculator.verifier.remove_rejected = False
+    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=3, ignore_eos=True) for i in range(n)]
+    return llm.generate([prompt] * n, params), llm.engine.spec_stats
+

@@ -3,17 +3,15 @@ output distribution with speculation against without, and relaxed acceptance on 
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
 import torch
 
-from accept_helpers import chi2_critical, chi2_homogeneity, inputs
+from accept_helpers import chi2_critical, chi2_homogeneity, inputs, make_small_vocab, sample_replies
 from specserve import LLM, SamplingParams
 from specserve.core.request import Request
 from specserve.speculative.accept import accept, thinking_states
-from tiny_models import make_head, make_hf_model
 
 
 def logits_from_probs(rows):
@@ -149,23 +147,13 @@ def test_thinking_state_follows_prompt_and_output_in_order():
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("accept")
-    make_hf_model(root / "t", "llama", vocab_size=8, initializer_range=0.3, num_hidden_layers=2)
-    make_head(root / "h", root / "t", "mtp", num_modules=1, seed=5)
-    return root
+    return make_small_vocab(tmp_path_factory.mktemp("accept"))
 
 
 def joint_first_tokens(root, spec: bool, n: int, biased: bool = False) -> tuple[Counter, float]:
-    cfg = dict(method="mtp", draft_model=str(root / "h"), max_draft_len=2) if spec else None
-    llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=512, num_kv_blocks=1200,
-              speculative_config=cfg)
-    if biased:
-        llm.engine.runner.speculator.verifier.remove_rejected = False
-    params = [SamplingParams(temperature=1.0, seed=10_000 * spec + i, max_tokens=3, ignore_eos=True)
-              for i in range(n)]
-    outs = llm.generate([[3, 5, 1, 6]] * n, params)
-    rate = llm.engine.spec_stats.acceptance_rate or 0.0
-    return Counter(tuple(o.token_ids) for o in outs), rate
+    outs, stats = sample_replies(root, dict(max_draft_len=2) if spec else None, n, [3, 5, 1, 6],
+                                 seed=10_000 * spec, biased=biased)
+    return Counter(tuple(o.token_ids) for o in outs), stats.acceptance_rate or 0.0
 
 
 def test_speculative_sampling_keeps_the_joint_distribution(small_vocab):

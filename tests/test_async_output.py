@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from tiny_models import PROMPTS, target_with_eagle3
+from tiny_models import PROMPTS, abort_while_running, target_with_eagle3
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +79,8 @@ def test_aborting_a_request_whose_step_is_running(dirs, spec):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = _llm(dirs, spec, False).generate(PROMPTS[0], params)[0].token_ids
     eng = _llm(dirs, spec, True).engine
-    gone = eng.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    keep = eng.add_request(PROMPTS[0], params)
-    for _ in range(3):
-        eng.step()
-    assert eng._in_flight is not None and any(s.request.request_id == gone for s in eng._in_flight.batch.scheduled)
-    eng.abort_request(gone)
-    seen, final = [], None
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            seen.append(out.request_id)
-            final = out if out.finished else final
-    assert gone not in seen and final.request_id == keep and final.token_ids == alone
+    gone, seen, final = abort_while_running(eng, params, 3)
+    assert gone not in seen and final.request_id != gone and final.token_ids == alone
     assert eng.pool.num_free == eng.pool.num_usable
 
 

@@ -15,7 +15,7 @@ from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.speculative.accept import AcceptInputs
 from specserve.speculative.tree import TreeSpeculator, tree_layout
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
-from accept_helpers import chi2_critical, chi2_homogeneity
+from accept_helpers import chi2_critical, chi2_homogeneity, make_small_vocab, sample_replies
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 N_OUT = 20
@@ -175,23 +175,13 @@ def test_the_path_kv_moves_to_the_positions_after_the_root():
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree_sampled")
-    make_hf_model(root / "t", "llama", vocab_size=8, initializer_range=0.3, num_hidden_layers=2)
-    make_head(root / "h", root / "t", "mtp", num_modules=1, seed=5)
-    return root
+    return make_small_vocab(tmp_path_factory.mktemp("tree_sampled"))
 
 
 def _first_tokens(root, tree: bool, n: int, biased: bool = False) -> tuple[Counter, float]:
-    cfg = dict(method="mtp", draft_model=str(root / "h"), max_draft_len=2, topk=3, max_total_draft_tokens=6,
-               tree_max_batch_size=512) if tree else None
-    llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=512, num_kv_blocks=1500,
-              speculative_config=cfg)
-    if biased:
-        llm.engine.runner.speculator.verifier.remove_rejected = False
-    sps = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=3, ignore_eos=True) for i in range(n)]
-    outs = llm.generate([[1, 2, 3]] * n, sps)
-    rate = llm.engine.spec_stats.acceptance_length - 1 if tree else 0.0
-    return Counter(tuple(o.token_ids[1:3]) for o in outs), rate
+    spec = dict(max_draft_len=2, topk=3, max_total_draft_tokens=6, tree_max_batch_size=512) if tree else None
+    outs, stats = sample_replies(root, spec, n, [1, 2, 3], seed=1000, biased=biased)
+    return Counter(tuple(o.token_ids[1:3]) for o in outs), (stats.acceptance_length - 1) if tree else 0.0
 
 
 def test_sampled_tree_acceptance_keeps_the_distribution(small_vocab):

@@ -204,3 +204,24 @@ def target_with_eagle3(root: Path, num_hidden_layers: int = 2) -> Path:
     make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=num_hidden_layers)
     make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
     return root
+
+
+def abort_while_running(eng, params, steps: int) -> tuple[str, list[str], object]:
+    """Two requests (a long one on PROMPTS[3], one with ``params`` on PROMPTS[0]); after ``steps`` engine steps,
+    with a step of both in flight, the long one is aborted and the engine run to the end -> (the aborted id, the
+    ids reported after the abort, the other request's final output)."""
+    from specserve import SamplingParams
+
+    gone = eng.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    eng.add_request(PROMPTS[0], params)
+    for _ in range(steps):
+        eng.step()
+    assert eng._in_flight is not None and any(s.request.request_id == gone for s in eng._in_flight.batch.scheduled)
+    eng.abort_request(gone)
+    seen, final = [], None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen.append(out.request_id)
+            final = out if out.finished else final
+    return gone, seen, final
+

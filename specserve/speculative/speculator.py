@@ -109,30 +109,52 @@ class Drafter:
         return self.head.propose(x, self.head_kv, out=out)
 
 
-class Speculator:
-    """Verify, accept and draft for every row of a step; held by ``ModelRunner`` (``speculator``)."""
+class SpeculatorBase:
+    """What the chain's ``Speculator`` and the tree's ``TreeSpeculator`` share: the configuration's numbers, the
+    verifier and the per-row acceptance settings a graph step stages."""
 
     tree = False  # drafts a chain
 
-    def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, spec: SpeculativeConfig,
-                 block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
-        d = spec.max_draft_len
+    def __init__(self, spec: SpeculativeConfig, thinking_tokens: tuple[int, int]) -> None:
         self.spec = spec
-        self.draft_len = d  # D: drafts a row proposes (a row's own count this step is its num_drafts)
-        self.num_nodes = d  # drafts a row verifies (a chain's D)
+        self.draft_len = spec.max_draft_len  # D: a chain's drafts, a tree's depth
+        self.num_nodes = spec.num_nodes  # drafts a row verifies at most (a chain's D, a tree's N)
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
-        self.drafter = Drafter(head, head_kv, block_size, d, model.rope.cos_cache.shape[0] - 1)
 
     @property
     def verify_len(self) -> int:
-        """Tokens a generation row verifies: its last token and D drafts."""
+        """Tokens a generation row verifies: its last token and its drafts."""
         return self.spec.verify_len
 
     @property
     def lookahead_slots(self) -> int:
         """Positions past a row's tokens that the draft loop writes."""
         return self.spec.lookahead_slots
+
+    def accept_fields(self, sched, rows: int, ints: dict, floats: dict) -> dict[str, list[int]]:
+        """A graph step's per-row acceptance settings as record fields (padding rows: greedy, nothing to accept):
+        the four flags in one field [4, B], which the step's expansion kernel turns into booleans -> the columns
+        (``acceptance_columns``)."""
+        cols, floats["relaxed_delta"] = acceptance_columns([s.request for s in sched], rows, self.spec)
+        can_accept = [int(s.sample) for s in sched] + [0] * (rows - len(sched))  # samplers verify and draft
+        ints["flags"] = can_accept + cols["greedy"] + cols["relaxed"] + cols["thinking"]
+        ints["relaxed_topk"] = cols["relaxed_topk"]
+        return cols
+
+    @staticmethod
+    def flags_now(sched, rows: int, flags: list[int]) -> list[int]:
+        """The flags field of a record staged whole for the same rows, with each row's thinking phase as now."""
+        return flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched))
+
+
+class Speculator(SpeculatorBase):
+    """Verify, accept and draft for every row of a step; held by ``ModelRunner`` (``speculator``)."""
+
+    def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, spec: SpeculativeConfig,
+                 block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
+        super().__init__(spec, thinking_tokens)
+        self.drafter = Drafter(head, head_kv, block_size, self.draft_len, model.rope.cos_cache.shape[0] - 1)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -192,20 +214,13 @@ class Speculator:
         return self._switches(switches, cols)
 
     def record_params(self, sched, rows: int, ints: dict, floats: dict, switches: StepSwitches) -> StepSwitches:
-        """A graph step's per-row acceptance settings as record fields (padding rows: greedy, nothing to accept):
-        the four flags in one field [4, B], which the step's expansion kernel turns into booleans."""
-        cols, floats["relaxed_delta"] = acceptance_columns([s.request for s in sched], rows, self.spec)
-        can_accept = [int(s.sample) for s in sched] + [0] * (rows - len(sched))  # samplers verify and draft
-        ints["flags"] = can_accept + cols["greedy"] + cols["relaxed"] + cols["thinking"]
-        ints["relaxed_topk"] = cols["relaxed_topk"]
-        return self._switches(switches, cols)
+        """A graph step's per-row acceptance settings as record fields (``accept_fields``) -> its switches."""
+        return self._switches(switches, self.accept_fields(sched, rows, ints, floats))
 
-    @staticmethod
-    def restaged(sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
-        """The fields of a record staged whole for the same rows (``first``) that change between steps: the flags,
-        with each row's thinking phase as now."""
-        flags = first["flags"]
-        return {"flags": flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched))}
+    def restaged(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+        """The fields of a record staged whole for the same rows (``first``) that change between steps: the flags
+        (each row's thinking phase)."""
+        return {"flags": self.flags_now(sched, rows, first["flags"])}
 
     @staticmethod
     def _switches(switches: StepSwitches, cols: dict[str, list[int]]) -> StepSwitches:

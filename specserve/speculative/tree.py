@@ -37,7 +37,7 @@ from specserve.runner.step_batch import RowResult, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.heads import DraftHead
-from specserve.speculative.speculator import ACCEPT_INTS, Verifier, acceptance_columns
+from specserve.speculative.speculator import ACCEPT_INTS, SpeculatorBase, acceptance_columns
 from specserve.kernels.step_inputs import node_depths
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
 
@@ -71,7 +71,7 @@ def tree_layout(parents: list[int]) -> tuple[list[int], list[int]]:
     return depth, [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
 
-class TreeSpeculator:
+class TreeSpeculator(SpeculatorBase):
     """Verify a draft tree, accept a path, move its KV into place and draft the next tree, for every row of a
     step; held by ``ModelRunner`` (``speculator``) in place of ``Speculator``."""
 
@@ -81,22 +81,12 @@ class TreeSpeculator:
                  spec: SpeculativeConfig, block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         if not head.tree_drafts:
             raise ValueError("tree drafting (topk > 1) needs an EAGLE-3 or MTP-Eagle head, not vanilla MTP")
-        self.spec = spec
+        super().__init__(spec, thinking_tokens)
         self.head, self.head_kv, self.target_kv = head, head_kv, target_kv
         self.block_size = block_size
-        self.draft_len, self.topk, self.num_nodes = spec.max_draft_len, spec.topk, spec.num_nodes
-        self.verifier = Verifier(spec, thinking_tokens)
-        self.thinking_tokens = thinking_tokens
+        self.topk = spec.topk
         self.max_pos = model.rope.cos_cache.shape[0] - 1
         self.step_topk = self.topk  # this step's drafting (``plan_step``)
-
-    @property
-    def verify_len(self) -> int:
-        return self.spec.verify_len
-
-    @property
-    def lookahead_slots(self) -> int:
-        return self.spec.lookahead_slots
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -177,19 +167,15 @@ class TreeSpeculator:
 
     # -- graph steps: the record's fields and their device views ----------------------------------------------
     def record_params(self, sched, rows: int, ints: dict, floats: dict, switches: StepSwitches) -> StepSwitches:
-        """A graph step's per-row acceptance settings and the trees' parents [B * N] as record fields."""
-        cols, floats["relaxed_delta"] = acceptance_columns([s.request for s in sched], rows, self.spec)
-        can_accept = [int(s.sample) for s in sched] + [0] * (rows - len(sched))
-        ints["flags"] = can_accept + cols["greedy"] + cols["relaxed"] + cols["thinking"]
-        ints["relaxed_topk"] = cols["relaxed_topk"]
+        """A graph step's per-row acceptance settings (``accept_fields``) and the trees' parents [B * N] as record
+        fields."""
+        self.accept_fields(sched, rows, ints, floats)
         ints["parents"] = self._parents(sched, rows)
         return self._switches(switches)
 
     def restaged(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
         """The fields that change between graph steps of the same rows: the flags (thinking phase) and parents."""
-        flags = first["flags"]
-        return {"flags": flags[:3 * rows] + [int(s.request.thinking) for s in sched] + [0] * (rows - len(sched)),
-                "parents": self._parents(sched, rows)}
+        return {"flags": self.flags_now(sched, rows, first["flags"]), "parents": self._parents(sched, rows)}
 
     def _parents(self, sched, rows: int) -> list[int]:
         """Every row's tree parents, padded to N (rows without nodes, padding rows, and rows that continue the
@@ -253,9 +239,7 @@ class TreeSpeculator:
         """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
         x, meta = batch.spec, batch.meta
         head, bs = self.head, self.block_size
-        b = x.base_col.shape[0]
         dev = hidden.device
-        rows = torch.arange(b, device=dev)
         ok = x.accept.can_accept
         a = torch.where(ok, res.accepted, 0)
         chain_len = x.base_col + 1 + a  # [B]: the known tokens, then the path
