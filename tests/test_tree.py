@@ -120,7 +120,7 @@ def _chain_through_tree_code(llm: LLM) -> None:
     eng = llm.engine
     old = eng.runner.speculator
     cfg = eng.model_config
-    tree = TreeSpeculator(eng.model, eng.head, old.drafter.head_kv, eng.kv_cache.layer_views()[:cfg.num_hidden_layers],
+    tree = TreeSpeculator(eng.model, eng.head, old.drafter.head_kv, eng.kv_cache.tensor[:cfg.num_hidden_layers],
                           eng.spec_config, eng.kv_cache.block_size)
     eng.runner.speculator = tree
 
@@ -165,12 +165,15 @@ def test_tree_acceptance_on_a_hand_built_tree():
 
 
 def test_the_path_kv_moves_to_the_positions_after_the_root():
-    k = torch.arange(2 * 4 * 1 * 1, dtype=torch.float32).view(2, 4, 1, 1)  # 2 blocks of 4 slots
-    v = -k.clone()
+    kv = torch.arange(2 * 2 * 2 * 4, dtype=torch.float32).view(2, 2, 2, 4, 1, 1)  # 2 layers, k/v, 2 blocks of 4
+    before = kv.clone()
     tables = torch.tensor([[1, 0]])  # positions 0..3 in block 1
-    compact_path_kv([(k, v)], tables, torch.tensor([0]), torch.tensor([[2, 3]]), torch.tensor([2]), 4)
-    assert k.view(-1).tolist()[4:8] == [4.0, 6.0, 7.0, 7.0]  # position 1 <- column 2, position 2 <- column 3
-    assert v.view(-1).tolist()[4:8] == [-4.0, -6.0, -7.0, -7.0]
+    compact_path_kv(kv, tables, torch.tensor([0]), torch.tensor([[2, 3]]), torch.tensor([2]), 4)
+    for layer in range(2):
+        for j in range(2):  # position 1 <- column 2, position 2 <- column 3, in every layer's K and V
+            got, old = kv[layer, j, 1].view(-1).tolist(), before[layer, j, 1].view(-1).tolist()
+            assert got == [old[0], old[2], old[3], old[3]]
+    assert torch.equal(kv[:, :, 0], before[:, :, 0])  # the other block untouched
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ class LLMEngine:
         if self.head is not None:  # the head's KV layers follow the target's in the one KV tensor
             head_kv = self.kv_cache.layer_views()[cfg.num_hidden_layers:kv_layers]
             if self.spec_config.tree:  # the accepted path's target KV moves into place
-                target_kv = self.kv_cache.layer_views()[:cfg.num_hidden_layers]
+                target_kv = self.kv_cache.tensor[:cfg.num_hidden_layers]
                 speculator = TreeSpeculator(self.model, self.head, head_kv, target_kv, self.spec_config,
                                             self.kv_cache.block_size, self.thinking_tokens)
             else:

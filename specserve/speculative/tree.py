@@ -77,7 +77,7 @@ class TreeSpeculator(SpeculatorBase):
 
     tree = True
 
-    def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, target_kv: list,
+    def __init__(self, model: LlamaForCausalLM, head: DraftHead, head_kv: list, target_kv: torch.Tensor,
                  spec: SpeculativeConfig, block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         if not head.tree_drafts:
             raise ValueError("tree drafting (topk > 1) needs an EAGLE-3 or MTP-Eagle head, not vanilla MTP")

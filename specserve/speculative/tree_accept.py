@@ -146,11 +146,12 @@ def _sibling_uniform(seeds: torch.Tensor, offsets: torch.Tensor, rank: int) -> t
     return _uniform_scalar(salted, offsets[:, None])[:, 0]
 
 
-def compact_path_kv(kv_layers: list, block_tables: torch.Tensor, root_pos: torch.Tensor, path: torch.Tensor,
+def compact_path_kv(kv: torch.Tensor, block_tables: torch.Tensor, root_pos: torch.Tensor, path: torch.Tensor,
                     accepted: torch.Tensor, block_size: int) -> None:
-    """Move the accepted path's KV in every layer of ``kv_layers`` ((k, v) [blocks, block_size, Hkv, Dh] each)
-    from its nodes' columns to the positions after the root: the node at depth i (column path[i-1], slot of
-    root_pos + column) to root_pos + i. Rows past their path copy the pad slot onto itself."""
+    """Move the accepted path's KV in every layer of ``kv`` [layers, 2, blocks, block_size, Hkv, Dh] (contiguous)
+    from its nodes' columns to the positions after the root: the node at depth i (column path[i-1], slot of root_pos
+    + column) to root_pos + i; one gather and one scatter for all layers. Rows past their path copy the pad slot
+    onto itself."""
     b, d = path.shape
     i = torch.arange(1, d + 1, device=path.device)
     live = i[None, :] <= accepted[:, None]  # [B, D]
@@ -161,7 +162,5 @@ def compact_path_kv(kv_layers: list, block_tables: torch.Tensor, root_pos: torch
 
     src = slot(root_pos[:, None] + path).reshape(-1)
     dst = slot(root_pos[:, None] + i[None, :]).reshape(-1)
-    for k_cache, v_cache in kv_layers:
-        for cache in (k_cache, v_cache):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[dst] = flat[src]
+    flat = kv.view(kv.shape[0] * 2, kv.shape[2] * kv.shape[3], -1)  # [layers * 2, slots, Hkv * Dh]
+    flat[:, dst] = flat[:, src]
