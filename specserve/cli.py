@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in bytes (default: on CUDA what --gpu-memory-utilization leaves; on the CPU "
                         "what --max-num-seqs sequences of --max-model-len tokens need, at most 2 GiB or an eighth "
                         "of the available memory, at least one sequence)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=e.enable_prefix_caching,
+                   help="share the KV of full blocks whose tokens (and all before them) a request repeats: a shared "
+                        "system prompt or a conversation's history is computed once")
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=e.num_kv_blocks,
                    help="exact number of KV blocks (overrides the budget)")
     g.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
@@ -131,6 +134,7 @@ def engine_args(a: argparse.Namespace):
                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                       block_size=a.block_size, kv_cache_memory_bytes=a.kv_cache_memory,
                       gpu_memory_utilization=a.gpu_memory_utilization, num_kv_blocks=a.num_kv_blocks,
+                      enable_prefix_caching=a.enable_prefix_caching,
                       speculative_config=spec, enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
                       async_output=False if a.disable_async_output_proc else None,
                       overlap_scheduler=False if a.disable_overlap_scheduler else None, cpu_threads=a.cpu_threads)

@@ -177,9 +177,13 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30
     num_blocks: int | None = None  # exact block count; overrides the byte budget (tests use tiny pools)
+    # automatic prefix caching: full blocks keyed by their tokens (and all before them) are shared between requests
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if (not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool)
@@ -280,6 +284,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # of the GPU's total memory, as vLLM
     num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True  # vLLM's name and default
     speculative_config: SpeculativeConfig | dict | None = None
     enforce_eager: bool = False  # True: no CUDA graphs (used on CUDA only); steps keep the graphs' padded layouts
     max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
@@ -298,7 +303,8 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         cache = CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                            gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_kv_blocks)
+                            gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_kv_blocks,
+                            enable_prefix_caching=self.enable_prefix_caching)
         spec = SpeculativeConfig.from_value(self.speculative_config)
         if spec is not None and spec.draft_model is None:
             raise ValueError("speculative decoding needs a draft_model folder (--draft PATH)")

@@ -239,7 +239,9 @@ def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
     least 16 tokens (prompts around 16 and 32 tokens, chunked prompts whose last chunk starts past 0), one
     longer than ``prefill_graph_tokens`` stays packed; greedy and sampled outputs equal packed steps."""
     prompts = [[(7 * i + 3) % 50 + 1 for i in range(n)] for n in (3, 16, 17, 22, 33, 40)]
-    kw = dict(max_num_batched_tokens=24, max_num_seqs=4)  # the 33- and 40-token prompts arrive in chunks
+    # the 33- and 40-token prompts arrive in chunks; the prompts share their beginnings, which prefix caching would
+    # skip: off, so that every prompt is prefilled whole
+    kw = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=12, ignore_eos=True)]
     outs = {}
@@ -322,8 +324,9 @@ def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
 
 def test_prefill_layout_keeps_padding_positions_inside_the_context(dirs):
     """A prompt's power-of-two padding must not reach positions past max_model_len (nor the RoPE table):
-    with a 40-token context, a 20-token prompt (-> 32) is padded, a 33-token one (-> 64) runs packed."""
-    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", max_model_len=40)
+    with a 40-token context, a 20-token prompt (-> 32) is padded, a 33-token one (-> 64) runs packed (prefix
+    caching off: the second prompt begins with the first)."""
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", max_model_len=40, enable_prefix_caching=False)
     runner = llm.engine.runner
     runner.graphs = CudaGraphs(4, runner._staging_buffers(), capture=False)
     layouts = []

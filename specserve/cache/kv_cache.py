@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
@@ -23,22 +23,41 @@ PAD_BLOCK = 0
 
 
 class BlockPool:
-    """Free list of physical block ids ``1 .. num_blocks-1`` (block 0 is the padding block)."""
+    """Physical block ids ``1 .. num_blocks-1`` (block 0 is the padding block), with reference counts.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    With ``caching`` (automatic prefix caching) a full block whose KV is computed can be registered under a key
+    (``block_keys``: its tokens, everything before them, and the tokens after it that a draft head's KV at its end
+    reads); a request whose prompt starts with the same keys takes those blocks (``match``) instead of computing
+    them. A block nobody uses keeps its content while it is free ("evictable"), and is handed out again, least
+    recently freed first, only once the plain free list is empty."""
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.caching = caching
+        self._free: deque[int] = deque(range(1, num_blocks))  # blocks whose content nobody can reuse
+        self._ref = [0] * num_blocks  # requests holding each block
+        self._key_of: dict[int, int] = {}  # registered block -> its key
+        self._by_key: dict[int, int] = {}  # key -> registered block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, oldest first
+        self.queried = 0  # blocks looked up by ``match``
+        self.hit = 0  # of them, found
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request can take: the free list and the evictable cached blocks."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_usable(self) -> int:
         return self.num_blocks - 1
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of the full prompt blocks looked up that were found cached (None before any lookup)."""
+        return self.hit / self.queried if self.queried else None
 
     def blocks_needed(self, block_ids: list[int], num_slots: int) -> int:
         """How many more blocks a request holding ``block_ids`` needs for ``num_slots`` token slots."""
@@ -53,15 +72,66 @@ class BlockPool:
         if need > self.num_free:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free} free")
         for _ in range(need):
-            block_ids.append(self._free.popleft())
+            if self._free:
+                block = self._free.popleft()
+            else:  # the least recently freed cached block gives up its content
+                block, _ = self._evictable.popitem(last=False)
+                del self._by_key[self._key_of.pop(block)]
+            self._ref[block] = 1
+            block_ids.append(block)
 
     def free(self, block_ids: list[int]) -> None:
-        """Return every block of a request to the pool and empty its list."""
-        self._free.extend(reversed(block_ids))
+        """Release every block of a request and empty its list; a block nobody holds any more goes back to the
+        free list, or, registered, becomes evictable (its content kept for a later ``match``)."""
+        for block in reversed(block_ids):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         block_ids.clear()
+
+    def match(self, keys: list[int]) -> list[int]:
+        """The registered blocks of the longest run of ``keys`` from the first, each now held once more."""
+        found = []
+        if self.caching:
+            for key in keys:
+                block = self._by_key.get(key)
+                if block is None:
+                    break
+                if self._ref[block] == 0:
+                    del self._evictable[block]
+                self._ref[block] += 1
+                found.append(block)
+            self.queried += len(keys)
+            self.hit += len(found)
+        return found
+
+    def register(self, block_ids: list[int], keys: list[int]) -> None:
+        """Register each block under its key (pairwise; their KV computed); a key already registered keeps its
+        block."""
+        if not self.caching:
+            return
+        for block, key in zip(block_ids, keys):
+            if block not in self._key_of and key not in self._by_key:
+                self._key_of[block] = key
+                self._by_key[key] = block
 
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_usable
+
+
+def block_keys(keys: list[int], token_ids: list[int], block_size: int, after: int) -> list[int]:
+    """Extend ``keys`` (a request's block keys so far) in place to every full block of ``token_ids`` followed by at
+    least ``after`` more tokens -> keys. Block i's key hashes the key before it, its tokens and the ``after`` tokens
+    past it (a draft head's KV at a position reads tokens after it: 0 without speculation)."""
+    n = (len(token_ids) - after) // block_size
+    for i in range(len(keys), n):
+        prev = keys[i - 1] if i else 0
+        lo, hi = i * block_size, (i + 1) * block_size
+        keys.append(hash((prev, tuple(token_ids[lo:hi]), tuple(token_ids[hi:hi + after]))))
+    return keys
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -72,6 +72,11 @@ class Request:
         self.spec_parents: list[int] | None = None  # a draft tree's parent columns (0: the last token); None: a chain
         # overlap scheduler: its row (a ``ScheduledRequest``) in the latest step launched and not yet collected
         self.in_flight = None
+        # prefix caching: its full blocks' keys so far (``cache.kv_cache.block_keys``), how many of its blocks are
+        # registered in the pool, and the prompt tokens it found cached when admitted
+        self.block_keys: list[int] = []
+        self.num_registered = 0
+        self.num_cached_tokens = 0
         self.spec_stats = SpecStats()
         # thinking phase after the last known token (relaxed acceptance): the last begin/end token wins
         self.thinking_tokens = thinking_tokens

@@ -60,9 +60,11 @@ class LLMEngine:
         self.config = config = config.with_model(cfg, num_blocks)  # fixes max_model_len
         self.kv_cache = KVCache(kv_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, caching=self.cache_config.enable_prefix_caching)
         self.max_model_len = config.max_model_len
-        self.scheduler = Scheduler(config.scheduler_config, self.pool)
+        # a head's KV at a position reads the tokens after it: part of a cached block's key
+        self.scheduler = Scheduler(config.scheduler_config, self.pool,
+                                   key_after=self.head.num_kv_layers if self.head is not None else 0)
         self.thinking_tokens = self._thinking_tokens()
         runner_kwargs = dict(max_model_len=config.max_model_len, cuda_graph_max_rows=config.cuda_graph_max_rows,
                              capture_graphs=not config.enforce_eager,
@@ -239,12 +241,15 @@ class LLMEngine:
                     after.rebase()
             if req.finished:
                 req.in_flight = None
+                self.scheduler.cache_blocks(req)  # its prompt and reply serve a follow-up turn
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
             done.append((req, appended, entry.num_drafts, res.num_accepted, res.depth))
         for s in batch.scheduled:
             if s.request.in_flight is s:
                 s.request.in_flight = None
+            if not s.discard and not s.request.finished:
+                self.scheduler.cache_blocks(s.request)
         return done
 
     def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.cache.kv_cache import BlockPool
+from specserve.cache.kv_cache import BlockPool, block_keys
 from specserve.config import SchedulerConfig
 from specserve.core.request import Request, RequestStatus
 
@@ -67,9 +67,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, key_after: int = 0) -> None:
         self.cfg = cfg
         self.pool = pool
+        # prefix caching: tokens past a block that its KV depends on (a draft head's KV at a position reads the
+        # tokens after it: one for EAGLE-3 and MTP-Eagle, a module each for vanilla MTP), part of its key
+        self.key_after = key_after
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -121,7 +124,8 @@ class Scheduler:
         return ScheduledRequest(req, computed, n, n >= k, max(0, n - k), column, after)
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_ids)
+        self.pool.free(req.block_ids)  # registered blocks stay cached: it may find them again
+        req.num_registered = 0
         if req.in_flight is not None:  # its row in the step in flight is dropped when collected
             req.in_flight.discard = True
             req.in_flight = None
@@ -157,8 +161,12 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_computed_tokens == 0 and not req.block_ids:
+                    self._take_cached(req)
                 n = min(self._need(req), budget)
                 if not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
+                    self.pool.free(req.block_ids)  # the cached blocks too: taken again when it fits
+                    req.num_computed_tokens = req.num_cached_tokens = 0
                     break
                 self.waiting.popleft()
                 self.pool.reserve(req.block_ids, self._slots(req, n))
@@ -169,6 +177,29 @@ class Scheduler:
                 out.scheduled.append(self._entry(req, n, len(out.scheduled)))
                 budget -= n
         return out
+
+    def _take_cached(self, req: Request) -> None:
+        """Prefix caching: a request starting from nothing takes the cached blocks its tokens begin with (at least
+        one token is left to compute: the step that computes it samples)."""
+        if not self.pool.caching:
+            return
+        bs, after = self.pool.block_size, self.key_after
+        keys = block_keys(req.block_keys, req.token_ids, bs, after)
+        usable = max(0, (req.num_tokens - max(after, 1)) // bs)
+        req.block_ids = self.pool.match(keys[:usable])
+        req.num_registered = len(req.block_ids)
+        req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * bs
+
+    def cache_blocks(self, req: Request) -> None:
+        """Prefix caching: register the request's full blocks whose KV is computed and whose key's tokens are
+        known (called after each of its steps is collected, and before it finishes)."""
+        if not self.pool.caching:
+            return
+        keys = block_keys(req.block_keys, req.token_ids, self.pool.block_size, self.key_after)
+        n = min(len(keys), req.num_computed_tokens // self.pool.block_size, len(req.block_ids))
+        if n > req.num_registered:
+            self.pool.register(req.block_ids[req.num_registered:n], keys[req.num_registered:n])
+            req.num_registered = n
 
     def update(self, out: SchedulerOutput, results: list) -> list[tuple[ScheduledRequest, object]]:
         """Advance computed lengths from a step's results (one ``RowResult`` per scheduled request): the KV

@@ -27,6 +27,10 @@ class ServerMetrics:
         self.waiting = Gauge("specserve_num_requests_waiting", "Requests waiting", registry=r)
         self.kv_usage = Gauge("specserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.kv_free = Gauge("specserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
+        self.prefix_hit = Gauge("specserve_prefix_cache_hit_rate",
+                                "Share of full prompt blocks found in the prefix cache", registry=r)
+        self.prefix_queried = Gauge("specserve_prefix_cache_queried_blocks", "Prompt blocks looked up (total)",
+                                    registry=r)
         self.drafted = Gauge("specserve_spec_draft_tokens", "Draft tokens verified (total)", registry=r)
         self.accepted = Gauge("specserve_spec_accepted_tokens", "Draft tokens accepted (total)", registry=r)
         self.accept_len = Gauge("specserve_spec_acceptance_length", "Emitted tokens per verify step", registry=r)
@@ -48,6 +52,8 @@ class ServerMetrics:
         self.waiting.set(len(eng.scheduler.waiting))
         self.kv_usage.set(eng.pool.usage())
         self.kv_free.set(eng.pool.num_free)
+        self.prefix_hit.set(eng.pool.hit_rate or 0.0)
+        self.prefix_queried.set(eng.pool.queried)
         s = eng.spec_stats
         self.drafted.set(s.num_drafted)
         self.accepted.set(s.num_accepted)
