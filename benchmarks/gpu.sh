@@ -30,6 +30,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
                total: 2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48), plain decoding beside them; 580 s
+  prefix       TTFT of random prompts of 512, 2048 and 8192 tokens at batch 1, speculation off and on; then 16
+               requests over one 1,536-token document (+ 512 own tokens) with prefix caching on and off; 400 s
   overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
                ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
                per step with; 420 s
@@ -72,8 +74,8 @@ EOF
 }
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
-STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput scale1 scaleall steps profile host 
- attention regen-gpteacher regen regen-openers regen-code train vocab "
+STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap scale1 scaleall
+ steps profile host attention regen-gpteacher regen regen-openers regen-code train vocab "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
 OUT=${OUT:-/tmp/out}
@@ -194,6 +196,14 @@ for st in "$@"; do
     trees) need_model && bench "$(lim 580)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 8 32 \
              --tree ${TREES_SHAPES:-2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48} --max-tokens 256 --num-prompts 16 \
              --repeats 2 --out $OUT/trees | tail -40 ;;
+    prefix) need_model || continue
+            for len in 512 2048 8192; do
+              bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len $len --batch-size 1 \
+                --max-tokens 64 --num-prompts 8 --repeats 2 --out $OUT/prefill-$len | tail -8
+            done
+            bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --shared-prefix-len 1536 \
+              --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 16 --repeats 2 \
+              --out $OUT/shared-prefix | tail -14 ;;
     overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
                --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" \
                --steps 1 --out $OUT/overlap | tail -40 ;;

@@ -314,6 +314,12 @@ def _bench_parser(sub) -> None:
     b.add_argument("--tree", dest="trees", nargs="*", default=[], metavar="KxDxN",
                    help="also run these draft trees (topk x depth x total draft tokens, e.g. 4x5x24) beside the "
                         "chain of --draft-len drafts, each a speculative engine of its own")
+    b.add_argument("--prefix-caching", default="on", choices=["on", "off", "both"],
+                   help="automatic prefix caching (the cache is emptied before each timed run: a run reuses only what "
+                        "its own requests share); both: each engine with it, then without")
+    b.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                   help="put one common prefix of N random tokens before every prompt (many requests over one "
+                        "document)")
     b.add_argument("--overlap", default="on", choices=["on", "off", "both"],
                    help="the overlap scheduler (on CUDA with graphs); both: each engine with it, then without, "
                         "with the gain at each batch size")
@@ -336,7 +342,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
                           async_output=False if a.disable_async_output_proc else None, overlap=a.overlap,
-                          trees=a.trees,
+                          trees=a.trees, prefix_caching=a.prefix_caching, shared_prefix_len=a.shared_prefix_len,
                           kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:

@@ -31,7 +31,7 @@ def test_bench_rows_ratios_and_outputs(dirs, tmp_path):
                "--compare", "hf", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
-    assert (out / "bench.png").stat().st_size > 0 and "| specserve | on | on | 3 |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 0 and "| specserve | on | on | on (0%) | 3 |" in (out / "bench.md").read_text()
     rows = {(r["engine"], r["speculative"], r["batch"]): r for r in res["rows"]}
     assert set(rows) == {(e, s, b) for e, s in (("specserve", False), ("specserve", True), ("transformers", False))
                          for b in (1, 3)}
@@ -98,6 +98,19 @@ def test_bench_runs_draft_trees_beside_the_chain(dirs):
     assert "| tree 2x2x4 |" in table(res)
     with pytest.raises(ValueError, match="--tree"):
         BenchConfig(trees=["2x4"])
+
+
+def test_bench_shared_prefix_with_prefix_caching_on_and_off(dirs):
+    res = run_bench(BenchConfig(model=str(dirs / "target"), speculative="off", prefix_caching="both",
+                                shared_prefix_len=40, random_input_len=6, num_prompts=4, max_tokens=3, repeats=1,
+                                device="cpu", dtype="float32", batch_sizes=[1]))
+    rows = {r["prefix_caching"]: r for r in res["rows"]}
+    assert set(rows) == {True, False} and rows[True]["first_tokens"] == rows[False]["first_tokens"]
+    # four prompts over one 40-token prefix (two full blocks and 8 more): the last three find both blocks
+    assert rows[True]["prefix_hit_rate"] == pytest.approx(6 / 8) and rows[False]["prefix_hit_rate"] is None
+    assert "specserve prefix caching on / off @ batch 1" in res["ratios"]
+    with pytest.raises(ValueError, match="--prefix-caching"):
+        BenchConfig(prefix_caching="maybe")
 
 
 def test_two_rounds_report_the_mean_of_their_ratios():

@@ -22,24 +22,27 @@ def table(result: dict) -> str:
     if meta.get("command"):
         lines.append(f"`{meta['command']}`")
     lines += ["",
-             "| engine | spec | overlap | batch | new tok | tok/s | step ms | AL | per-position | "
+             "| engine | spec | overlap | prefix cache (hits) | batch | new tok | tok/s | step ms | AL | per-position | "
              "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | weight GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         kind = r.get("speculative")
         spec = kind if isinstance(kind, str) else ("on" if kind else "off")
         overlap = {True: "on", False: "off"}.get(r.get("overlap"), "-")
+        cache = {True: "on", False: "off"}.get(r.get("prefix_caching"), "-")
+        if r.get("prefix_hit_rate") is not None:
+            cache += f" ({r['prefix_hit_rate']:.0%})"
         al = _f(r.get("acceptance_length"), ".2f")
         pp = " ".join(f"{p:.2f}" for p in r.get("per_position_acceptance") or []) or "-"
         ttft = "/".join(_f(r["ttft_ms"][k]) for k in ("p50", "p90", "p99")) if "ttft_ms" in r else "-"
         tpot = "/".join(_f(r["tpot_ms"][k], ".2f") for k in ("p50", "p90", "p99")) if "tpot_ms" in r else "-"
         bw = _f(r.get("achieved_weight_gbps"), ".0f")
-        lines.append(f"| {r['engine']} | {spec} | {overlap} | {r['batch']} | {r['new_tokens']} | "
+        lines.append(f"| {r['engine']} | {spec} | {overlap} | {cache} | {r['batch']} | {r['new_tokens']} | "
                      f"{r['tokens_per_s']:.1f} | {_f(r.get('step_ms'), '.3f')} | {al} | {pp} | {ttft} | {tpot} | {bw} |")
     for k, v in meta.items():
         if k.endswith("_error"):  # a baseline that could not run
             msg = (str(v).splitlines() or [""])[0].replace("|", "/")[:200]
-            lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | | | |")
+            lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | | | | |")
     if result.get("ratios"):
         lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.2f}x |" for k, v in result["ratios"].items()]
@@ -74,6 +77,7 @@ def write_outputs(out: Path, result: dict) -> None:
         kind = r.get("speculative")
         name = r["engine"] + (f" + {kind}" if isinstance(kind, str) else " + spec" if kind else "")
         name += " (no overlap)" if r.get("overlap") is False else ""
+        name += " (no prefix cache)" if r.get("prefix_caching") is False else ""
         series.setdefault(name, []).append((r["batch"], r["tokens_per_s"]))
     for name, pts in series.items():
         pts.sort()

@@ -35,6 +35,7 @@ class BenchConfig:
     model: str | None = None  # HF folder, .gguf, random:NAME, or None for the embedded default
     prompts: list[str] = field(default_factory=list)  # prompt files (JSONL/JSON shapes of train.prompts)
     random_input_len: int | None = None  # random token-id prompts of this length instead of files
+    shared_prefix_len: int = 0  # a common prefix of this many random tokens before every prompt (one document)
     num_prompts: int = 64
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     max_tokens: int = 256
@@ -54,6 +55,7 @@ class BenchConfig:
     enforce_eager: bool = False
     async_output: bool | None = None  # None: the engine's default (on CUDA)
     overlap: str = "on"  # the overlap scheduler: on | off | both (each engine run with it, then without)
+    prefix_caching: str = "on"  # automatic prefix caching: on | off | both
     kv_cache_memory_bytes: int | None = None
     chat_template: bool = True
     seed: int = 0
@@ -61,9 +63,11 @@ class BenchConfig:
     out: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("speculative", "overlap"):
+        for name in ("speculative", "overlap", "prefix_caching"):
             if getattr(self, name) not in ("on", "off", "both"):
-                raise ValueError(f"--{name} must be on, off or both, got {getattr(self, name)!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be on, off or both, got {getattr(self, name)!r}")
+        if not isinstance(self.shared_prefix_len, int) or self.shared_prefix_len < 0:
+            raise ValueError(f"--shared-prefix-len must be >= 0, got {self.shared_prefix_len!r}")
         for t in self.trees:
             tree_shape(t)
         bad = [c for c in self.compare if c not in ("hf", "hf-compile")]
@@ -102,7 +106,17 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def load_prompt_ids(cfg: BenchConfig, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Token ids of the benchmark prompts (chat template applied to file prompts when the model has one)."""
+    """Token ids of the benchmark prompts (chat template applied to file prompts when the model has one), each after
+    the shared prefix (``shared_prefix_len`` random tokens) where one is asked for."""
+    prompts = _prompt_ids(cfg, tokenizer, vocab_size)
+    if not cfg.shared_prefix_len:
+        return prompts
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    prefix = torch.randint(10, vocab_size, (cfg.shared_prefix_len,), generator=g).tolist()
+    return [prefix + p for p in prompts]
+
+
+def _prompt_ids(cfg: BenchConfig, tokenizer, vocab_size: int) -> list[list[int]]:
     if cfg.prompts:
         from specserve.train.prompts import read_prompts
 
@@ -142,7 +156,7 @@ def median_rounds(rows: list[dict]) -> list[dict]:
     tokens/s in ``round_tokens_per_s`` (in round order). One round: the rows as they are."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["speculative"], r.get("overlap"), r["batch"]), []).append(r)
+        groups.setdefault((r["speculative"], r.get("overlap"), r.get("prefix_caching"), r["batch"]), []).append(r)
     out = []
     for group in groups.values():
         med = dict(sorted(group, key=lambda r: r["tokens_per_s"])[len(group) // 2])
@@ -153,7 +167,7 @@ def median_rounds(rows: list[dict]) -> list[dict]:
 
 
 def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
-                    overlap: bool = True, tree: str | None = None) -> list[dict]:
+                    overlap: bool = True, tree: str | None = None, caching: bool = True) -> list[dict]:
     """One engine (speculation off, the chain, or the draft tree ``tree``) at every batch size -> rows; a row's
     ``speculative`` is False, True (the chain) or "tree KxDxN"."""
     from specserve import LLM, SamplingParams
@@ -162,7 +176,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
 
     max_b = max(cfg.batch_sizes)
     kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
-              async_output=cfg.async_output, overlap_scheduler=overlap,
+              async_output=cfg.async_output, overlap_scheduler=overlap, enable_prefix_caching=caching,
               max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
               max_cuda_graph_batch_size=max_b)
     if cfg.kv_cache_memory_bytes:
@@ -175,8 +189,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             sc.update(topk=k, max_draft_len=depth, max_total_draft_tokens=n)
     kind = ("tree " + tree) if tree else spec
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
-    bar = _progress(f"specserve spec={_spec_label(kind)}{'' if overlap else ' no overlap'}{label}",
-                    len(cfg.batch_sizes) * (cfg.repeats + 1))
+    bar = _progress(f"specserve spec={_spec_label(kind)}{'' if overlap else ' no overlap'}"
+                    f"{'' if caching else ' no prefix cache'}{label}", len(cfg.batch_sizes) * (cfg.repeats + 1))
     bar.set_postfix_str("loading")
     llm = LLM(cfg.model, **kw)
     eng = llm.engine
@@ -192,6 +206,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
         runs = []
         for r in range(cfg.repeats + 1):  # the first is the warm-up
             eng.spec_stats = SpecStats()
+            eng.pool.reset_cache()  # every run computes its prompts afresh (but for what it shares within itself)
             steps0 = eng.num_steps
             _sync(dev)
             t0 = time.perf_counter()
@@ -201,7 +216,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             dt = time.perf_counter() - t0
             bar.update()
             if r:
-                runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats))
+                runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats,
+                                 hit_rate=eng.pool.hit_rate))
         runs.sort(key=lambda x: x["seconds"])
         med = runs[len(runs) // 2]
         outs, st = med["outs"], med["stats"]
@@ -211,7 +227,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                 if o.timings().get("ttft_s") is not None and o.timings().get("queue_s") is not None]
         tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
         n_tok = sum(len(o.token_ids) for o in outs)
-        row = dict(engine="specserve", speculative=kind, overlap=eng.overlap, batch=b, requests=len(batch),
+        row = dict(engine="specserve", speculative=kind, overlap=eng.overlap, prefix_caching=caching,
+                   prefix_hit_rate=med["hit_rate"], batch=b, requests=len(batch),
                    new_tokens=round(n_tok / len(outs), 1),
                    seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
                    steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
@@ -358,8 +375,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             variants += [(True, t) for t in cfg.trees]
         for spec, tree in variants:
             for overlap in order[cfg.overlap][::-1]:
-                rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1
-                                        else "", overlap=overlap, tree=tree)
+                for caching in order[cfg.prefix_caching][::-1]:
+                    rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1
+                                            else "", overlap=overlap, tree=tree, caching=caching)
     rows = median_rounds(rows)
     extras: dict = {}
     for c in cfg.compare:
@@ -444,16 +462,21 @@ def _ratios(rows: list[dict]) -> dict:
     """tokens/s ratios at each batch size: specserve (plain and speculative) over each baseline, and the overlap
     scheduler's gain where it ran both ways."""
     out: dict = {}
-    both = {(r["speculative"], r.get("overlap", True), r["batch"]): r for r in rows if r["engine"] == "specserve"}
-    for (spec, overlap, b), r in both.items():
-        off = both.get((spec, False, b))
-        if overlap and off is not None:
-            name = f"{_engine_name(spec)} overlap on / off @ batch {b}"
-            out[name] = r["tokens_per_s"] / off["tokens_per_s"]
-            if "round_tokens_per_s" in r:
-                each = sorted(x / y for x, y in zip(r["round_tokens_per_s"], off["round_tokens_per_s"]))
-                out[f"{name}, median of {len(each)} rounds"] = statistics.median(each)
-    rows = [r for r in rows if r.get("overlap", True)]  # the baselines' ratios: the default engines
+    mine = [r for r in rows if r["engine"] == "specserve"]
+    for switch, label in (("overlap", "overlap"), ("prefix_caching", "prefix caching")):
+        # the same engine with the switch on and off, the others at their defaults
+        both = {(r["speculative"], r.get(switch, True), r["batch"]): r for r in mine
+                if all(r.get(other, True) for other in ("overlap", "prefix_caching") if other != switch)}
+        for (spec, on, b), r in both.items():
+            off = both.get((spec, False, b))
+            if on and off is not None:
+                name = f"{_engine_name(spec)} {label} on / off @ batch {b}"
+                out[name] = r["tokens_per_s"] / off["tokens_per_s"]
+                if "round_tokens_per_s" in r:
+                    each = sorted(x / y for x, y in zip(r["round_tokens_per_s"], off["round_tokens_per_s"]))
+                    out[f"{name}, median of {len(each)} rounds"] = statistics.median(each)
+    # the baselines' ratios: the default engines
+    rows = [r for r in rows if r.get("overlap", True) and r.get("prefix_caching", True)]
     by = {(r["engine"], r["speculative"], r["batch"]): r["tokens_per_s"] for r in rows}
     for (eng, spec, b), tps in by.items():
         if eng != "specserve":

@@ -118,6 +118,15 @@ class BlockPool:
                 self._key_of[block] = key
                 self._by_key[key] = block
 
+    def reset_cache(self) -> None:
+        """Forget every cached block (``specserve bench`` between runs of the same prompts): held blocks keep
+        their holders, the others return to the free list; the hit counters restart."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._by_key.clear()
+        self.queried = self.hit = 0
+
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_usable
 
