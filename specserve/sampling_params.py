@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _TOPK_MAX = 2 ** 31 - 1  # past any vocabulary: top-k keeps every token
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -31,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # log-probabilities of each generated token under the target's distribution (its logits' softmax), and of the
+    # ``logprobs`` most likely tokens at that position (0: the generated token's only); None: none
+    logprobs: int | None = None
     # speculative decoding, per request (None: the engine's SpeculativeConfig decides)
     relaxed_acceptance: bool | None = None
     relaxed_topk: int | None = None
@@ -75,6 +79,8 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty strings")
         if any(not integer(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
+        if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
         if self.relaxed_topk is not None and (not integer(self.relaxed_topk) or self.relaxed_topk < 1):
             bad("relaxed_topk", "must be an integer >= 1")
         if self.relaxed_delta is not None and (not number(self.relaxed_delta) or not 0.0 <= self.relaxed_delta <= 1.0):

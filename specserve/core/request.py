@@ -77,6 +77,10 @@ class Request:
         self.block_keys: list[int] = []
         self.num_registered = 0
         self.num_cached_tokens = 0
+        # per output token, where asked: its log-probabilities (``Logprob`` dicts), and the rows of the tokens
+        # appended since the last report (``sampler.token_logprobs``)
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.logprob_rows: list[list[float]] = []
         self.spec_stats = SpecStats()
         # thinking phase after the last known token (relaxed acceptance): the last begin/end token wins
         self.thinking_tokens = thinking_tokens
@@ -135,12 +139,23 @@ class Request:
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability under the target's distribution at its position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely token there
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # per output token (where the request asked, ``SamplingParams.logprobs``): the token and the most likely ones
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass

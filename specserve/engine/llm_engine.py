@@ -10,9 +10,10 @@ import torch
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
 from specserve.config import EngineArgs, EngineConfig, cdiv
 from specserve.core.metrics import SpecStats
-from specserve.core.request import CompletionOutput, Request, RequestOutput
+from specserve.core.request import CompletionOutput, Logprob, Request, RequestOutput
 from specserve.loaders import is_random_ref, load_model, resolve_model_path
 from specserve.runner.model_runner import ModelRunner
+from specserve.runner.sampler import parse_logprobs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.checkpoint import check_head_folder, load_draft_head
@@ -223,9 +224,11 @@ class LLMEngine:
                 continue
             appended = []
             per_token = bool(req.params.stop)  # a stop string can end the request at any token of the step
-            for tok in res.tokens:
+            for j, tok in enumerate(res.tokens):
                 req.append_token(tok)
                 appended.append(tok)
+                if req.logprobs is not None and res.logprobs is not None:
+                    req.logprob_rows.append(res.logprobs[j])
                 if per_token:
                     self._detokenize(req, [tok])
                 if req.finished:
@@ -258,6 +261,8 @@ class LLMEngine:
         statistics."""
         if appended and not req.params.stop:
             self._detokenize(req, appended)
+        if req.logprob_rows:
+            self._add_logprobs(req, appended)
         # the text not reported yet, after stop strings; while one may still complete, the text it could begin
         # with is held back (a later token would cut the text there), as vLLM does
         end = len(req.output_text)
@@ -268,6 +273,18 @@ class LLMEngine:
         req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
         self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
         return self._output(req, delta, appended)
+
+    def _add_logprobs(self, req: Request, new_ids: list[int]) -> None:
+        """The tokens appended since the last report: their log-probability rows -> ``Logprob`` dicts (the token
+        and the request's ``logprobs`` most likely ones, each with its rank and text)."""
+        k = req.params.logprobs
+        for tok, row in zip(new_ids, req.logprob_rows):
+            lp, rank, top = parse_logprobs(row, k)
+            text = self.tokenizer.decode  # a token's own text, special tokens included
+            entry = {tid: Logprob(v, j + 1, text([tid], skip_special_tokens=False)) for j, (tid, v) in enumerate(top)}
+            entry.setdefault(tok, Logprob(lp, rank, text([tok], skip_special_tokens=False)))
+            req.logprobs.append(entry)
+        req.logprob_rows.clear()
 
     def _detokenize(self, req: Request, new_ids: list[int]) -> str:
         """Extend the request's text and apply stop strings (cutting the text, finishing the request)."""
@@ -296,7 +313,8 @@ class LLMEngine:
     def _output(self, req: Request, delta: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.output_text, req.output_token_ids, req.finish_reason, req.stop_reason)],
+            outputs=[CompletionOutput(0, req.output_text, req.output_token_ids, req.finish_reason, req.stop_reason,
+                                      req.logprobs)],
             finished=req.finished, metrics=req.metrics, delta_text=delta, delta_token_ids=list(delta_ids or []),
             spec=req.spec_stats if self.spec_config is not None else None,
         )

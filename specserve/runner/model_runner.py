@@ -25,8 +25,8 @@ from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
 from specserve.runner.overlap import CarryCopy, StepCarry, output_offsets, overlap_fields
-from specserve.runner.sampler import (SAMPLING_FLOATS, SAMPLING_INTS, sample, sampling_columns, sampling_switches,
-                                      sampling_tensors)
+from specserve.runner.sampler import (LOGPROB_WIDTH, SAMPLING_FLOATS, SAMPLING_INTS, sample, sampling_columns,
+                                      sampling_tensors, token_logprobs)
 from specserve.runner.staging import Staging
 from specserve.runner.step_batch import ArrayPack, RowResult, StepBatch, StepSwitches
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -185,7 +185,9 @@ class ModelRunner:
         self._ints = Staging(torch.int64, device, max(rows * (4 * q + self.graph_table_width + 2 * q + 9),
                                                        6 * max_num_batched_tokens) * 2, ring=ring)
         self._floats = Staging(torch.float32, device, 8 * rows, ring=ring)
-        self.carry = StepCarry(max_num_seqs, spec.result_width if spec is not None else 1, device) if overlap else None
+        width = spec.result_width if spec is not None else 1
+        positions = spec.draft_len + 1 if spec is not None else 1  # tokens a row emits at most
+        self.carry = StepCarry(max_num_seqs, width, positions * LOGPROB_WIDTH, device) if overlap else None
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
@@ -264,7 +266,7 @@ class ModelRunner:
             a["result_rows"][:] = [s.column for s in rows]
         if spec is None and ns:  # each sampling row's last token
             a["logits_indices"][:] = (first + counts - 1)[np.fromiter((s.sample for s in sched), bool, b)]
-        switches = StepSwitches(*sampling_switches(samplers))
+        switches = StepSwitches.of(samplers)
         if spec is not None:
             switches = spec.stage_packed(sched, a, f, row, col, first, switches)
         self._ints.upload(ipack.size)
@@ -325,7 +327,7 @@ class ModelRunner:
         si, sf = sampling_columns(reqs, rows, self.vocab_size)
         ints.update(si)
         floats.update(sf)
-        switches = StepSwitches(*sampling_switches(reqs))
+        switches = StepSwitches.of(reqs)
         if self.speculator is not None:
             switches = self.speculator.record_params(sched, rows, ints, floats, switches)
         return switches
@@ -410,15 +412,19 @@ class ModelRunner:
             return step.results
         sched = step.batch.scheduled
         if step.carry is not None:  # result rows by column
-            rows = StepCarry.read(step.carry)
+            rows, lps = StepCarry.read(step.carry)
             if self.speculator is not None:
-                return self.speculator.results(sched, rows)
-            return [RowResult([rows[i][0]] if s.sample else []) for i, s in enumerate(sched)]
-        values = self._copy_back(step.out) if step.out is not None else []
+                return self.speculator.results(sched, rows, lps)
+            return [RowResult([rows[i][0]], logprobs=None if lps is None else [lps[i]]) if s.sample else RowResult([])
+                    for i, s in enumerate(sched)]
+        out, lps = step.out if isinstance(step.out, tuple) else (step.out, None)
+        values = self._copy_back(out) if out is not None else []
+        lps = None if lps is None else lps.tolist()  # after the copy above: no wait of its own
         if self.speculator is not None:
-            return self.speculator.results(sched, zip(*values))
-        tokens = iter(values)
-        return [RowResult([next(tokens)] if s.sample else []) for s in sched]
+            return self.speculator.results(sched, zip(*values), lps)
+        tokens, rows = iter(values), iter(lps or [])
+        return [RowResult([next(tokens)], logprobs=None if lps is None else [next(rows)]) if s.sample else
+                RowResult([]) for s in sched]
 
     def can_overlap(self, running: int) -> bool:
         """Overlap scheduler: whether a step can be launched before the step in flight is collected, with at most
@@ -453,7 +459,8 @@ class ModelRunner:
         for rows, layout in groups:
             sub = batch if len(rows) == len(batch.scheduled) else SchedulerOutput([batch.scheduled[i] for i in rows])
             self._launch(sub, layout)
-        return Launched(batch, None, carry=self.carry.copy_back(len(batch.scheduled)))
+        asked = any(s.request.params.logprobs is not None for s in batch.scheduled)
+        return Launched(batch, None, carry=self.carry.copy_back(len(batch.scheduled), logprobs=asked))
 
     @torch.inference_mode()
     def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None) -> torch.Tensor | None:
@@ -483,7 +490,10 @@ class ModelRunner:
             # all greedy: only the argmax is read, in the weights' dtype (no float32 copy)
             logits_fn = self.model.lm_logits if batch.sampling.all_greedy else self.model.compute_logits
             rows = hidden if batch.logits_indices is None else hidden[batch.logits_indices]  # [S, H]
-            out = sample(logits_fn(rows), batch.sampling)  # logits [S, V]
+            logits = logits_fn(rows)  # [S, V]
+            out = sample(logits, batch.sampling)
+            if batch.sampling.logprobs >= 0:  # some row asks for log-probabilities: [S, LOGPROB_WIDTH] beside
+                out = (out, token_logprobs(logits, out, batch.sampling.logprobs))
         if batch.result_rows is not None:
             self.carry.publish(out, batch.result_rows)
         return out

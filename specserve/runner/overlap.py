@@ -24,6 +24,7 @@ class CarryCopy:
 
     host: torch.Tensor  # [b, C] int64, a view of a pinned buffer
     event: torch.cuda.Event | None  # recorded after the copy (CUDA); None on the CPU, where it has run
+    logprobs: torch.Tensor | None = None  # [b, F] float32: the rows' log-probabilities, where the step has any
 
 
 class StepCarry:
@@ -31,12 +32,15 @@ class StepCarry:
     speculating (accepted count, emitted tokens D + 1, next drafts D) or 1 (the sampled token); the last row
     takes the padding rows' results."""
 
-    def __init__(self, columns: int, width: int, device: torch.device) -> None:
+    def __init__(self, columns: int, width: int, float_width: int, device: torch.device) -> None:
         self.columns, self.width = columns, width
         self.buf = torch.zeros(columns + 1, width, dtype=torch.int64, device=device)
+        # the emitted tokens' log-probabilities (``sampler.token_logprobs``), for steps where a row asks for them
+        self.fbuf = torch.zeros(columns + 1, float_width, dtype=torch.float32, device=device)
         pin = device.type == "cuda"
         # two: the host reads step n's rows while step n + 1's copy fills the other
         self._host = [torch.empty(columns, width, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._fhost = [torch.empty(columns, float_width, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self._turn = 0
 
     @property
@@ -44,27 +48,36 @@ class StepCarry:
         """The column of padding rows."""
         return self.columns
 
-    def publish(self, out: torch.Tensor, dst: torch.Tensor) -> None:
-        """Inside a step: its result (speculator rows [C, B], or sampled tokens [B]) into the rows ``dst`` [B]."""
+    def publish(self, out, dst: torch.Tensor) -> None:
+        """Inside a step: its result (speculator rows [C, B], or sampled tokens [B]; with log-probabilities, a pair
+        whose second is [B, F]) into the rows ``dst`` [B]."""
+        if isinstance(out, tuple):
+            out, lps = out
+            self.fbuf.index_copy_(0, dst, lps)
         self.buf.index_copy_(0, dst, out.t() if out.dim() == 2 else out[:, None])
 
-    def copy_back(self, n: int) -> CarryCopy:
-        """Queue the copy of columns [0, n) to the host, after everything queued so far."""
+    def copy_back(self, n: int, logprobs: bool = False) -> CarryCopy:
+        """Queue the copy of columns [0, n) to the host (their log-probabilities too, where ``logprobs``), after
+        everything queued so far."""
         self._turn ^= 1
         host = self._host[self._turn][:n]
         host.copy_(self.buf[:n], non_blocking=True)
+        lps = None
+        if logprobs:
+            lps = self._fhost[self._turn][:n]
+            lps.copy_(self.fbuf[:n], non_blocking=True)
         event = None
         if self.buf.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return CarryCopy(host, event)
+        return CarryCopy(host, event, lps)
 
     @staticmethod
-    def read(copy: CarryCopy) -> list[list[int]]:
-        """Wait for a copy -> its rows [b][C] as Python lists."""
+    def read(copy: CarryCopy) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Wait for a copy -> its rows [b][C] and their log-probabilities [b][F] (or None) as Python lists."""
         if copy.event is not None:
             copy.event.synchronize()
-        return copy.host.tolist()
+        return copy.host.tolist(), None if copy.logprobs is None else copy.logprobs.tolist()
 
 
 def overlap_fields(sched, rows: int, draft_len: int, scratch: int, num_nodes: int = 0) -> dict[str, list[int]]:

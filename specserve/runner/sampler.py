@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.argmax import argmax_lastdim
+from specserve.sampling_params import MAX_LOGPROBS
 
 _M32 = 0xFFFFFFFF
 
@@ -51,6 +52,7 @@ class SamplingTensors:
     offsets: torch.Tensor  # [S] int64: index of the output token being drawn
     all_greedy: bool  # host-known: skip the random path entirely
     needs_filter: bool  # host-known: some row uses top-k/top-p/min-p
+    logprobs: int = -1  # host-known: the most top log-probabilities a row asks for (-1: no row asks for any)
 
 
 # One request's sampling parameters as staged for a step, by name (``sampling_columns``); padding rows get the
@@ -59,9 +61,36 @@ SAMPLING_INTS = {"top_k": None, "seeds": 0, "offsets": 0}  # None: the vocabular
 SAMPLING_FLOATS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0}
 
 
-def sampling_switches(reqs) -> tuple[bool, bool]:
-    """The host-known switches of a batch's sampling code: (every row greedy, some row filters top-k/p/min-p)."""
-    return all(r.params.greedy for r in reqs), any(r.params.needs_filter for r in reqs)
+def sampling_switches(reqs) -> tuple[bool, bool, int]:
+    """The host-known switches of a batch's sampling code: (every row greedy, some row filters top-k/p/min-p, the
+    most top log-probabilities a row asks for, -1 when none asks)."""
+    return (all(r.params.greedy for r in reqs), any(r.params.needs_filter for r in reqs),
+            max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=-1))
+
+
+LOGPROB_WIDTH = 2 + 2 * MAX_LOGPROBS  # floats a token's log-probabilities take in a step's result (``token_logprobs``)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [R, V] (any float dtype), tokens [R] -> per row [LOGPROB_WIDTH] float32: the token's log-probability
+    under softmax(logits), its rank (1: the most likely), then the k largest log-probabilities and, after
+    MAX_LOGPROBS of those slots, their token ids (exact as float32 below 2**24); unused slots 0."""
+    lp = logits.float().log_softmax(dim=-1)  # [R, V]
+    chosen = lp.gather(1, tokens[:, None])  # [R, 1]
+    rank = (lp > chosen).sum(dim=1, keepdim=True).float() + 1
+    out = torch.zeros(lp.shape[0], LOGPROB_WIDTH, dtype=torch.float32, device=lp.device)
+    out[:, 0:1], out[:, 1:2] = chosen, rank
+    if k:
+        top = lp.topk(k, dim=-1)
+        out[:, 2:2 + k] = top.values
+        out[:, 2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + k] = top.indices.float()
+    return out
+
+
+def parse_logprobs(row: list[float], k: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """One token's ``token_logprobs`` row -> (its log-probability, its rank, the k most likely (id, logprob))."""
+    top = [(int(row[2 + MAX_LOGPROBS + j]), row[2 + j]) for j in range(k)]
+    return row[0], int(row[1]), top
 
 
 def sampling_columns(reqs, rows: int, vocab_size: int) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
@@ -88,10 +117,11 @@ def sampling_columns(reqs, rows: int, vocab_size: int) -> tuple[dict[str, list[i
 def sampling_tensors(reqs, views: dict[str, torch.Tensor]) -> SamplingTensors:
     """Device views of staged ``sampling_columns`` (by name, [S] each) -> the sampler's inputs. ``reqs`` are the
     real rows (their switches); rows past them are greedy padding."""
-    all_greedy, needs_filter = sampling_switches(reqs)
+    all_greedy, needs_filter, logprobs = sampling_switches(reqs)
     return SamplingTensors(
         temperature=views["temperature"], top_p=views["top_p"], min_p=views["min_p"], top_k=views["top_k"],
-        seeds=views["seeds"], offsets=views["offsets"], all_greedy=all_greedy, needs_filter=needs_filter)
+        seeds=views["seeds"], offsets=views["offsets"], all_greedy=all_greedy, needs_filter=needs_filter,
+        logprobs=logprobs)
 
 
 def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specserve.models.attention import AttentionMetadata
-from specserve.runner.sampler import SamplingTensors
+from specserve.runner.sampler import SamplingTensors, sampling_switches
 from specserve.speculative.accept import AcceptInputs
 
 
@@ -63,6 +63,13 @@ class StepSwitches:
     simple_greedy: bool = False  # speculating: every row greedy and none relaxed (acceptance reads the argmax only)
     max_topk: int = 1  # speculating: the largest relaxed top-k of the batch
     draft_topk: int = 1  # draft trees: children a node expands this step (1: the step drafts a chain)
+    logprobs: int = -1  # the most top log-probabilities a row asks for (-1: none are computed)
+
+    @classmethod
+    def of(cls, reqs) -> "StepSwitches":
+        """The sampling switches of a batch of requests (``sampler.sampling_switches``)."""
+        all_greedy, needs_filter, logprobs = sampling_switches(reqs)
+        return cls(all_greedy, needs_filter, logprobs=logprobs)
 
 
 @dataclass
@@ -75,6 +82,9 @@ class RowResult:
     num_accepted: int = 0  # of those, accepted
     parents: list[int] | None = None  # a draft tree's parent columns (0: the root), one per draft; None: a chain
     depth: int | None = None  # the depth of the tree verified this step (a chain: None)
+    # per emitted token: its log-probability, its rank, then the step's top log-probabilities and their ids
+    # (``sampler.token_logprobs``); None when the step computed none
+    logprobs: list[list[float]] | None = None
 
     def next_drafts(self, room: int) -> tuple[list[int], list[int] | None]:
         """The drafts to verify next step where only ``room`` more tokens may follow the emitted ones: a chain's

@@ -18,12 +18,14 @@ Nothing here knows which head it runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from specserve.kernels.draft_inputs import draft_inputs
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.sampler import SamplingTensors
+from specserve.runner.sampler import LOGPROB_WIDTH, SamplingTensors, token_logprobs
 from specserve.runner.step_batch import RowResult, SpecInputs, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs, accept
 from specserve.speculative.config import SpeculativeConfig
@@ -73,7 +75,7 @@ class Verifier:
 
     def __call__(self, model: LlamaForCausalLM, hidden: torch.Tensor, spec: SpecInputs, out: torch.Tensor):
         """Logits at the verified positions, then acceptance -> (accepted [B], emitted [B, D+1]) written into
-        ``out`` [D+2, B] where a kernel can."""
+        ``out`` [D+2, B] where a kernel can, and the logits [B, D+1, V]."""
         b, d1 = spec.verify_idx.shape
         acc = spec.accept
         # greedy rows need the argmax only: logits in the weights' dtype (no float32 copy)
@@ -82,7 +84,7 @@ class Verifier:
         # wherever acceptance reads (columns past a row's drafts repeat its last token there, and are never read)
         verified = hidden if spec.verify_all else hidden[spec.verify_idx]  # [B * (D+1), H]
         logits = logits_fn(verified).view(b, d1, -1)  # [B, D+1, V]
-        return accept(logits, spec.drafts.view(b, d1 - 1), spec.num_drafts, acc, self.forced, out=out)
+        return (*accept(logits, spec.drafts.view(b, d1 - 1), spec.num_drafts, acc, self.forced, out=out), logits)
 
 
 class Drafter:
@@ -107,6 +109,14 @@ class Drafter:
             block_size=self.block_size, draft_len=self.draft_len, host_rows=spec.host_rows,
             step0_ids=s["ids0"], chain=(s["chain_pos"], s["chain_slot"]))
         return self.head.propose(x, self.head_kv, out=out)
+
+
+def emitted_logprobs(logprobs: list[list[float]] | None, row: int, n: int) -> list[list[float]] | None:
+    """Row ``row``'s first ``n`` emitted tokens' log-probability rows from a step's copied-back [B][(D+1) * W]."""
+    if logprobs is None:
+        return None
+    flat = logprobs[row]
+    return [flat[j * LOGPROB_WIDTH:(j + 1) * LOGPROB_WIDTH] for j in range(n)]
 
 
 class SpeculatorBase:
@@ -224,9 +234,8 @@ class Speculator(SpeculatorBase):
 
     @staticmethod
     def _switches(switches: StepSwitches, cols: dict[str, list[int]]) -> StepSwitches:
-        return StepSwitches(switches.all_greedy, switches.needs_filter,
-                            simple_greedy=switches.all_greedy and not any(cols["relaxed"]),
-                            max_topk=max(cols["relaxed_topk"]))
+        return dataclasses.replace(switches, simple_greedy=switches.all_greedy and not any(cols["relaxed"]),
+                                   max_topk=max(cols["relaxed_topk"]))
 
     # -- device: a step's inputs -----------------------------------------------------------------------------
     def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
@@ -259,22 +268,28 @@ class Speculator(SpeculatorBase):
         d = self.draft_len
         b = batch.spec.verify_idx.shape[0]
         res = torch.empty(2 * d + 2, b, dtype=torch.int64, device=hidden.device)
-        accepted, emitted = self.verifier(model, hidden, batch.spec, out=res[:d + 2])
+        accepted, emitted, logits = self.verifier(model, hidden, batch.spec, out=res[:d + 2])
         place(res[0], accepted)
         place(res[1:d + 2].t(), emitted)
         place(res[d + 2:].t(), self.drafter(batch, hidden, aux, accepted, emitted, out=res[d + 2:].t()))
-        return res
+        k = batch.spec.accept.sampling.logprobs
+        if k < 0:
+            return res
+        # each emitted token's log-probabilities at its verified position [B, (D+1) * LOGPROB_WIDTH]
+        return res, token_logprobs(logits.reshape(b * (d + 1), -1), emitted.reshape(-1), k).view(b, -1)
 
     # -- host: the copied-back result ------------------------------------------------------------------------
-    def results(self, sched, rows) -> list[RowResult]:
-        """The step's result per row ([1 + (D+1) + D] each: accepted count, emitted tokens, drafts), as copied
-        back -> per request: emitted tokens, drafts, counts."""
+    def results(self, sched, rows, logprobs: list[list[float]] | None = None) -> list[RowResult]:
+        """The step's result per row ([1 + (D+1) + D] each: accepted count, emitted tokens, drafts; and where the
+        step computed them, each emitted token's log-probabilities), as copied back -> per request: emitted tokens,
+        drafts, counts."""
         d = self.draft_len
         out = []
-        for s, row in zip(sched, rows):
+        for i, (s, row) in enumerate(zip(sched, rows)):
             if not s.sample:
                 out.append(RowResult([]))
                 continue
             acc = row[0]
-            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:]), s.num_drafts, acc))
+            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:]), s.num_drafts, acc,
+                                 logprobs=emitted_logprobs(logprobs, i, acc + 1)))
         return out

@@ -24,6 +24,7 @@ runs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,12 +33,12 @@ import torch
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.sampler import SamplingTensors
+from specserve.runner.sampler import SamplingTensors, token_logprobs
 from specserve.runner.step_batch import RowResult, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.heads import DraftHead
-from specserve.speculative.speculator import ACCEPT_INTS, SpeculatorBase, acceptance_columns
+from specserve.speculative.speculator import ACCEPT_INTS, SpeculatorBase, acceptance_columns, emitted_logprobs
 from specserve.kernels.step_inputs import node_depths
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
 
@@ -153,8 +154,7 @@ class TreeSpeculator(SpeculatorBase):
         return self._switches(switches)
 
     def _switches(self, switches: StepSwitches) -> StepSwitches:
-        return StepSwitches(switches.all_greedy, switches.needs_filter, simple_greedy=switches.all_greedy,
-                            draft_topk=self.step_topk)
+        return dataclasses.replace(switches, simple_greedy=switches.all_greedy, draft_topk=self.step_topk)
 
     def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
                       switches: StepSwitches, host_rows: list) -> TreeInputs:
@@ -233,7 +233,14 @@ class TreeSpeculator(SpeculatorBase):
             pad = n - nodes.shape[1]
             nodes = torch.cat((nodes, torch.zeros_like(nodes[:, :1]).expand(b, pad)), 1)
             parents = torch.cat((parents, torch.full_like(parents[:, :1], d).expand(b, pad)), 1)
-        return torch.cat((res.accepted[None], res.emitted.t(), nodes.t(), parents.t()))  # [2 + D + 2N, B]
+        out = torch.cat((res.accepted[None], res.emitted.t(), nodes.t(), parents.t()))  # [2 + D + 2N, B]
+        k = x.accept.sampling.logprobs
+        if k < 0:
+            return out
+        # each emitted token's log-probabilities at its column (the root, then the path) [B, (D+1) * LOGPROB_WIDTH]
+        cols = torch.cat((torch.zeros_like(res.path[:, :1]), res.path), 1)  # [B, D+1]
+        at = logits.gather(1, cols[..., None].expand(b, d + 1, logits.shape[-1]))  # [B, D+1, V]
+        return out, token_logprobs(at.reshape(b * (d + 1), -1), res.emitted.reshape(-1), k).view(b, -1)
 
     def draft(self, batch: StepBatch, hidden: torch.Tensor, aux: list, res) -> tuple[torch.Tensor, torch.Tensor]:
         """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
@@ -344,11 +351,12 @@ class TreeSpeculator(SpeculatorBase):
         return idx if ids is None else ids[idx]
 
     # -- host: the copied-back result ------------------------------------------------------------------------
-    def results(self, sched, rows) -> list[RowResult]:
-        """Each row's result [2 + D + 2N] -> per request: emitted tokens, the next tree, counts."""
+    def results(self, sched, rows, logprobs: list[list[float]] | None = None) -> list[RowResult]:
+        """Each row's result [2 + D + 2N] (and its emitted tokens' log-probabilities, where the step computed them)
+        -> per request: emitted tokens, the next tree, counts."""
         d, n = self.draft_len, self.num_nodes
         out = []
-        for s, row in zip(sched, rows):
+        for i, (s, row) in enumerate(zip(sched, rows)):
             if not s.sample:
                 out.append(RowResult([]))
                 continue
@@ -358,7 +366,8 @@ class TreeSpeculator(SpeculatorBase):
             parents = list(row[d + 2 + n:])
             keep = sum(1 for x in tree_depths(parents) if x <= d)  # a chain's unused nodes lie deeper
             out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + keep]), s.num_drafts, acc,
-                                 parents=parents[:keep], depth=max(tree_depths(verified), default=0)))
+                                 parents=parents[:keep], depth=max(tree_depths(verified), default=0),
+                                 logprobs=emitted_logprobs(logprobs, i, acc + 1)))
         return out
 
 
