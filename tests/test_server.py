@@ -100,6 +100,36 @@ def test_chat_streaming_and_not(client, offline):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
 
 
+def test_logprobs_in_chat_and_completions(client, offline):
+    """Chat's logprobs / top_logprobs and completions' logprobs, whole and streamed: the offline engine's values
+    (the target's distribution, speculation on), in OpenAI's shapes."""
+    msgs = [{"role": "user", "content": "Hello world"}]
+    ids = offline.tokenizer.apply_chat_template(msgs)
+    ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))[0]
+    want = [(e[t].decoded_token, e[t].logprob) for t, e in zip(ref.token_ids, ref.outputs[0].logprobs)]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = full.choices[0].logprobs.content
+    assert [(c.token, round(c.logprob, 4)) for c in content] == [(t, round(v, 4)) for t, v in want]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)  # greedy
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                                 logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [t for t, _ in want] and all(c.top_logprobs == [] for c in streamed)
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    comp = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == 6
+    # the top tokens by their text (two byte-level tokens may share one): the greedy token's is the largest
+    assert all(1 <= len(t) <= 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs)), lp
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    with pytest.raises(Exception, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, top_logprobs=2)
+
+
 def test_stop_strings_max_tokens_and_seeds(client):
     base = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -125,6 +155,8 @@ def test_stop_strings_max_tokens_and_seeds(client):
     (json.dumps({"prompt": "hi", "presence_penalty": 1.5}), 400, "presence_penalty"),
     (json.dumps({"prompt": "hi", "echo": True}), 400, "echo"),
     (json.dumps({"prompt": "hi", "stream_options": [1]}), 400, "stream_options"),
+    (json.dumps({"prompt": "hi", "logprobs": 6}), 400, "logprobs"),
+    (json.dumps({"prompt": "hi", "logprobs": True}), 400, "logprobs"),
     (json.dumps({"prompt": "hi", "seed": 2 ** 70, "temperature": 0.5, "top_k": 2 ** 63}), 200, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, needle):

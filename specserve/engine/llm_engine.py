@@ -313,8 +313,9 @@ class LLMEngine:
     def _output(self, req: Request, delta: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            # a snapshot, as the token ids are: a server thread reads this output while later steps append
             outputs=[CompletionOutput(0, req.output_text, req.output_token_ids, req.finish_reason, req.stop_reason,
-                                      req.logprobs)],
+                                      None if req.logprobs is None else list(req.logprobs))],
             finished=req.finished, metrics=req.metrics, delta_text=delta, delta_token_ids=list(delta_ids or []),
             spec=req.spec_stats if self.spec_config is not None else None,
         )

@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.server.async_engine import AsyncEngine, EngineFailed, QueueFull, ShuttingDown, usage_of
 from specserve.server.metrics import ServerMetrics
-from specserve.server.protocol import APIError, ServerOptions, check_messages, body_field, parse_json, sampling_params
+from specserve.server.protocol import (APIError, ServerOptions, body_field, chat_logprobs, check_messages,
+                                       completion_logprobs, parse_json, sampling_params)
 from specserve.tokenizer import Tokenizer
 
 log = logging.getLogger("specserve")
@@ -282,13 +283,18 @@ def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None =
         def choice(out, delta: bool, first_chunk: bool = False):
             text = out.delta_text if delta else out.text
             fin = out.finish_reason if out.finished else None
+            lps = None
+            if params.logprobs is not None:  # the tokens this choice reports: the chunk's, or all of them
+                count = len(out.delta_token_ids) if delta else len(out.token_ids)
+                lps = (chat_logprobs(out, count, params.logprobs) if chat else
+                       completion_logprobs(out, count, params.logprobs, len(out.text) - len(text) if delta else 0))
             if chat:
                 if not delta:
                     return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin,
-                            "logprobs": None}
+                            "logprobs": lps}
                 msg = {"role": "assistant", "content": text} if first_chunk else {"content": text}
-                return {"index": 0, "delta": msg, "finish_reason": fin, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": fin, "logprobs": None}
+                return {"index": 0, "delta": msg, "finish_reason": fin, "logprobs": lps}
+            return {"index": 0, "text": text, "finish_reason": fin, "logprobs": lps}
 
         if not stream:
             async def collect():

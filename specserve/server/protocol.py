@@ -70,7 +70,7 @@ def body_field(body: dict, name: str, types, default=None):
 
 # OpenAI fields this server does not implement, with the values that mean "off": anything else is a 400 rather
 # than a reply that silently ignores what was asked
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None,), "presence_penalty": (None, 0, 0.0),
+_UNSUPPORTED = {"presence_penalty": (None, 0, 0.0),
                 "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "echo": (None, False),
                 "best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none", "auto"),
                 "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -105,6 +105,7 @@ def sampling_params(body: dict, chat: bool = False, opts: ServerOptions | None =
     if not 0.0 <= temperature <= MAX_TEMPERATURE:
         raise APIError(400, f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}",
                        param="temperature")
+    logprobs = _logprobs_field(body, chat)
     stop_ids = body_field(body, "stop_token_ids", list, [])
     if any(not isinstance(t, int) or isinstance(t, bool) for t in stop_ids):
         raise APIError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
@@ -116,9 +117,69 @@ def sampling_params(body: dict, chat: bool = False, opts: ServerOptions | None =
             stop_token_ids=stop_ids, ignore_eos=body_field(body, "ignore_eos", bool, False),
             relaxed_acceptance=body_field(body, "relaxed_acceptance", bool),
             relaxed_topk=body_field(body, "relaxed_topk", int), relaxed_delta=body_field(body, "relaxed_delta", _NUM),
+            logprobs=logprobs,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+def _logprobs_field(body: dict, chat: bool) -> int | None:
+    """OpenAI's log-probability fields -> ``SamplingParams.logprobs``: chat's ``logprobs`` (a boolean) and
+    ``top_logprobs`` (0-20, with logprobs only); completions' ``logprobs`` (how many top tokens, 0-5)."""
+    if chat:
+        top = body_field(body, "top_logprobs", int)
+        if not body_field(body, "logprobs", bool, False):
+            if top is not None:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return None
+        if top is not None and not 0 <= top <= 20:
+            raise APIError(400, f"'top_logprobs' must be in [0, 20], got {top}", param="top_logprobs")
+        return top or 0
+    k = body_field(body, "logprobs", int)
+    if k is not None and not 0 <= k <= 5:
+        raise APIError(400, f"'logprobs' must be in [0, 5], got {k}", param="logprobs")
+    return k
+
+
+def chat_logprobs(out, count: int, k: int) -> dict:
+    """The last ``count`` output tokens' log-probabilities in the chat API's shape (``choices[].logprobs``)."""
+    def item(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for tok, entry in _last_entries(out, count):
+        chosen = entry[tok]
+        row = item(chosen.decoded_token, chosen.logprob)
+        row["top_logprobs"] = [item(lp.decoded_token, lp.logprob) for lp in _top(entry, k)]
+        content.append(row)
+    return {"content": content}
+
+
+def completion_logprobs(out, count: int, k: int, offset: int) -> dict:
+    """The last ``count`` output tokens' log-probabilities in the completions API's shape; ``offset``: the text's
+    length before them."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tok, entry in _last_entries(out, count):
+        chosen = entry[tok]
+        offsets.append(offset)
+        offset += len(chosen.decoded_token)
+        tokens.append(chosen.decoded_token)
+        lps.append(chosen.logprob)
+        top: dict[str, float] = {}
+        for lp in _top(entry, k):  # two tokens of one text (byte-level pieces): the likelier one
+            top.setdefault(lp.decoded_token, lp.logprob)
+        tops.append(top if k else None)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _last_entries(out, count: int):
+    ids, entries = out.token_ids, out.outputs[0].logprobs or []
+    n = min(count, len(entries))
+    return list(zip(ids[len(ids) - n:], entries[len(entries) - n:]))
+
+
+def _top(entry: dict, k: int) -> list:
+    return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
 
 
 def _json_depth_ok(obj, limit: int) -> bool:
