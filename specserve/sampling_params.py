@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 _TOPK_MAX = 2 ** 31 - 1  # past any vocabulary: top-k keeps every token
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
+MAX_N = 128  # completions per prompt (OpenAI's limit)
 
 
 @dataclass
@@ -14,8 +15,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1`` and
     ``min_p == 0`` disable those filters (a ``top_k`` past the vocabulary keeps every token). A ``seed``
-    (any integer, taken modulo 2**64) makes sampling reproducible whatever else shares the batch. ``n``
-    (completions per prompt) is there for vLLM's callers and must be 1. Generation stops at EOS (unless
+    (any integer, taken modulo 2**64) makes sampling reproducible whatever else shares the batch; with ``n``
+    completions per prompt, completion i samples with seed + i (the first is the n=1 request's), and they share
+    the prompt's KV (computed once, then forked). Generation stops at EOS (unless
     ``ignore_eos``), at any of ``stop_token_ids``, when the text contains one of ``stop`` (the text is cut
     before it unless ``include_stop_str_in_output``), or after ``max_tokens`` tokens.
     """
@@ -61,8 +63,8 @@ class SamplingParams:
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not integer(self.n) or self.n != 1:
-            bad("n", "only one completion per prompt (n=1) is supported")
+        if not integer(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
         if not number(self.temperature) or self.temperature < 0 or self.temperature != self.temperature:
             bad("temperature", "must be a number >= 0 (0 means greedy)")
         if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:

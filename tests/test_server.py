@@ -130,6 +130,36 @@ def test_logprobs_in_chat_and_completions(client, offline):
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, top_logprobs=2)
 
 
+def test_n_completions_whole_and_streamed(client, offline):
+    """n = 3: three choices, choice i the n=1 request with seed + i; streamed, each choice's chunks carry its
+    index, its first one the role, its last one its finish reason; usage counts every completion."""
+    msgs = [{"role": "user", "content": "Hello world"}]
+    ids = offline.tokenizer.apply_chat_template(msgs)
+    want = [offline.generate([ids], SamplingParams(temperature=0.9, seed=4 + i, max_tokens=6, ignore_eos=True))[0].text
+            for i in range(3)]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.9, seed=4, n=3,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in full.choices] == [0, 1, 2] and [c.message.content for c in full.choices] == want
+    assert full.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.9, seed=4,
+                                                 n=3, stream=True, extra_body={"ignore_eos": True}))
+    text = {0: "", 1: "", 2: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+    assert [text[i] for i in range(3)] == want
+    firsts = {}
+    for ch in chunks:
+        for c in ch.choices:
+            firsts.setdefault(c.index, c.delta.role)
+    assert firsts == {0: "assistant", 1: "assistant", 2: "assistant"}
+    fins = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert sorted(fins) == ["length"] * 3
+    comp = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=1.0, seed=9, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in comp.choices] == [0, 1] and comp.usage.completion_tokens == 10
+
+
 def test_stop_strings_max_tokens_and_seeds(client):
     base = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
@@ -147,7 +177,8 @@ def test_stop_strings_max_tokens_and_seeds(client):
     (json.dumps({"model": "gpt-4", "prompt": "hi"}), 404, "does not exist"),
     (json.dumps({"prompt": "hi", "temperature": -1}), 400, "temperature"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
-    (json.dumps({"prompt": "hi", "n": 2}), 400, "n=1"),
+    (json.dumps({"prompt": "hi", "n": 0}), 400, "n"),
+    (json.dumps({"prompt": "hi", "n": 129}), 400, "n"),
     (json.dumps({"prompt": "hi", "top_p": "high"}), 400, "top_p"),
     (json.dumps({"prompt": ""}), 400, "empty"),
     (json.dumps({"prompt": [5] * 1000}), 400, "context"),

@@ -92,6 +92,12 @@ class BlockPool:
                     self._free.append(block)
         block_ids.clear()
 
+    def share(self, block_ids: list[int]) -> list[int]:
+        """Blocks another request holds, held once more (a fork) -> a new list of them."""
+        for block in block_ids:
+            self._ref[block] += 1
+        return list(block_ids)
+
     def match(self, keys: list[int]) -> list[int]:
         """The registered blocks of the longest run of ``keys`` from the first, each now held once more."""
         found = []

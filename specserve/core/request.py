@@ -81,6 +81,11 @@ class Request:
         # appended since the last report (``sampler.token_logprobs``)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.logprob_rows: list[list[float]] = []
+        # n > 1: the completions of one prompt (``Family``), this one's index among them, and for the first, those
+        # that wait to fork its prompt's KV once it is computed
+        self.family: Family | None = None
+        self.index = 0
+        self.followers: list[Request] = []
         self.spec_stats = SpecStats()
         # thinking phase after the last known token (relaxed acceptance): the last begin/end token wins
         self.thinking_tokens = thinking_tokens
@@ -139,6 +144,18 @@ class Request:
 
 
 @dataclass
+class Family:
+    """The ``n`` completions of one request (``SamplingParams.n``), each a ``Request`` of its own."""
+
+    request_id: str  # the id the user knows
+    members: list  # the completions' requests, by index
+
+    @property
+    def finished(self) -> bool:
+        return all(m.finished for m in self.members)
+
+
+@dataclass
 class Logprob:
     """A token's log-probability under the target's distribution at its position (vLLM's ``Logprob``)."""
 
@@ -172,6 +189,7 @@ class RequestOutput:
     error: str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_index: int = 0  # the completion the deltas belong to (n > 1)
 
     @property
     def text(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -10,7 +11,7 @@ import torch
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
 from specserve.config import EngineArgs, EngineConfig, cdiv
 from specserve.core.metrics import SpecStats
-from specserve.core.request import CompletionOutput, Logprob, Request, RequestOutput
+from specserve.core.request import CompletionOutput, Family, Logprob, Request, RequestOutput
 from specserve.loaders import is_random_ref, load_model, resolve_model_path
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import parse_logprobs
@@ -90,6 +91,7 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.num_steps = 0  # model steps run (benchmarks)
         self.requests: dict[str, Request] = {}
+        self.families: dict[str, Family] = {}  # n > 1: the user's request id -> its completions
         self._ids = itertools.count()
 
     def _thinking_tokens(self) -> tuple[int, int]:
@@ -140,21 +142,43 @@ class LLMEngine:
                 "(max_model_len): prompt plus at least one generated token must fit"
             )
         rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self.requests:
+        if rid in self.requests or rid in self.families:
             raise ValueError(f"request id {rid!r} is already in use")
         max_total = self.max_model_len if params.max_tokens is None else min(self.max_model_len,
                                                                             len(ids) + params.max_tokens)
+        if params.n == 1:
+            req = self._new_request(rid, text, ids, params, max_total)
+            self.scheduler.add(req)
+            return rid
+        # n completions: the first computes the prompt, the others fork its KV once it has (Scheduler.fork_when_ready)
+        members = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            sp = dataclasses.replace(params, n=1, seed=seed)
+            members.append(self._new_request(f"{rid}-{i}", text, ids, sp, max_total))
+        family = Family(rid, members)
+        for i, m in enumerate(members):
+            m.family, m.index = family, i
+        self.families[rid] = family
+        self.scheduler.add(members[0])
+        for m in members[1:]:
+            self.scheduler.fork_when_ready(members[0], m)
+        return rid
+
+    def _new_request(self, rid: str, text: str | None, ids: list[int], params: SamplingParams,
+                     max_total: int) -> Request:
         req = Request(rid, text, ids, params, max_total, self.model_config.eos_token_ids, self.thinking_tokens)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[rid] = req
-        self.scheduler.add(req)
-        return rid
+        return req
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            req.finish("abort")
-            self.scheduler.finish(req)
+        family = self.families.pop(request_id, None)
+        for rid in [m.request_id for m in family.members[::-1]] if family is not None else [request_id]:
+            req = self.requests.pop(rid, None)
+            if req is not None and not req.finished:
+                req.finish("abort")
+                self.scheduler.finish(req)
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or a step not yet collected (under the overlap scheduler, one may hold only rows
@@ -207,7 +231,12 @@ class LLMEngine:
             if not done:
                 raise error
             self._error = error
-        return [self._report(*x) for x in done]
+        outs = [self._report(*x) for x in done]
+        # a family whose last completions ended in this step is reported finished once, by its last output
+        last = {o.request_id: i for i, o in enumerate(outs)}
+        for i, o in enumerate(outs):
+            o.finished = o.finished and last[o.request_id] == i
+        return outs
 
     def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int | None]]:
         """Wait for a launched step and apply its tokens: appended in order (nothing after the token that ends a
@@ -247,6 +276,8 @@ class LLMEngine:
                 self.scheduler.cache_blocks(req)  # its prompt and reply serve a follow-up turn
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
+                if req.family is not None and req.family.finished:
+                    self.families.pop(req.family.request_id, None)
             done.append((req, appended, entry.num_drafts, res.num_accepted, res.depth))
         for s in batch.scheduled:
             if s.request.in_flight is s:
@@ -311,11 +342,18 @@ class LLMEngine:
         return req.output_text[before:]
 
     def _output(self, req: Request, delta: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
+        """The request's output, its deltas those of this step; of a family (n > 1): every completion, finished
+        when all are, the deltas those of ``req`` (``delta_index``), metrics and statistics the first one's."""
+        family = req.family
+        members = [req] if family is None else family.members
+        first = members[0]
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            # a snapshot, as the token ids are: a server thread reads this output while later steps append
-            outputs=[CompletionOutput(0, req.output_text, req.output_token_ids, req.finish_reason, req.stop_reason,
-                                      None if req.logprobs is None else list(req.logprobs))],
-            finished=req.finished, metrics=req.metrics, delta_text=delta, delta_token_ids=list(delta_ids or []),
-            spec=req.spec_stats if self.spec_config is not None else None,
+            request_id=req.request_id if family is None else family.request_id, prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            # snapshots, as the token ids are: a server thread reads this output while later steps append
+            outputs=[CompletionOutput(m.index, m.output_text, m.output_token_ids, m.finish_reason, m.stop_reason,
+                                      None if m.logprobs is None else list(m.logprobs)) for m in members],
+            finished=req.finished if family is None else family.finished, metrics=first.metrics, delta_text=delta,
+            delta_token_ids=list(delta_ids or []), delta_index=req.index,
+            spec=first.spec_stats if self.spec_config is not None else None,
         )

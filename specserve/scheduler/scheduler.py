@@ -201,6 +201,26 @@ class Scheduler:
             self.pool.register(req.block_ids[req.num_registered:n], keys[req.num_registered:n])
             req.num_registered = n
 
+    def fork_when_ready(self, leader: Request, follower: Request) -> None:
+        """n > 1: ``follower`` starts once ``leader`` (the same prompt) has its prompt's KV, sharing its full
+        prompt blocks (``_release_followers``)."""
+        leader.followers.append(follower)
+
+    def _release_followers(self, leader: Request, share: bool) -> None:
+        """The leader's prompt is computed (``share``: its full prompt blocks, but for those whose KV reads tokens
+        past the prompt, are held by each follower too) or the leader is gone: its followers join the queue's
+        front, in order."""
+        bs = self.pool.block_size
+        k = max(0, (leader.num_prompt_tokens - max(self.key_after, 1)) // bs) if share else 0
+        shared = leader.block_ids[:k]
+        for f in reversed(leader.followers):
+            if f.finished:  # aborted with its family
+                continue
+            f.block_ids = self.pool.share(shared)
+            f.num_computed_tokens = f.num_cached_tokens = len(shared) * bs
+            self.waiting.appendleft(f)
+        leader.followers = []
+
     def update(self, out: SchedulerOutput, results: list) -> list[tuple[ScheduledRequest, object]]:
         """Advance computed lengths from a step's results (one ``RowResult`` per scheduled request): the KV
         of known tokens and accepted drafts becomes computed, and rejected drafts are dropped by length
@@ -210,13 +230,19 @@ class Scheduler:
         for s, r in zip(out.scheduled, results):
             if s.discard:
                 continue
-            s.request.num_computed_tokens += s.num_tokens - s.num_drafts + r.num_accepted
+            req = s.request
+            req.num_computed_tokens += s.num_tokens - s.num_drafts + r.num_accepted
+            if req.followers and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._release_followers(req, share=True)
             if s.sample:
                 sampled.append((s, r))
         return sampled
 
     def finish(self, req: Request) -> None:
-        """Release a finished (or aborted) request's blocks and drop it from the queues."""
+        """Release a finished (or aborted) request's blocks and drop it from the queues (followers still waiting
+        for its prompt start on their own)."""
+        if req.followers:
+            self._release_followers(req, share=False)
         self.pool.free(req.block_ids)
         if req in self.running:
             self.running.remove(req)

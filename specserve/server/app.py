@@ -280,21 +280,23 @@ def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None =
                 raise TimeoutError
             return await asyncio.wait_for(gen.__anext__(), remaining)  # a timeout aborts the request
 
-        def choice(out, delta: bool, first_chunk: bool = False):
-            text = out.delta_text if delta else out.text
-            fin = out.finish_reason if out.finished else None
+        def choice(out, delta: bool, index: int, first_chunk: bool = False):
+            """Completion ``index`` of ``out``: whole, or (``delta``) what this output adds to it."""
+            comp = out.outputs[index]
+            text = out.delta_text if delta else comp.text
+            fin = comp.finish_reason
             lps = None
             if params.logprobs is not None:  # the tokens this choice reports: the chunk's, or all of them
-                count = len(out.delta_token_ids) if delta else len(out.token_ids)
-                lps = (chat_logprobs(out, count, params.logprobs) if chat else
-                       completion_logprobs(out, count, params.logprobs, len(out.text) - len(text) if delta else 0))
+                count = len(out.delta_token_ids) if delta else len(comp.token_ids)
+                lps = (chat_logprobs(comp, count, params.logprobs) if chat else
+                       completion_logprobs(comp, count, params.logprobs, len(comp.text) - len(text) if delta else 0))
             if chat:
                 if not delta:
-                    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin,
+                    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": fin,
                             "logprobs": lps}
                 msg = {"role": "assistant", "content": text} if first_chunk else {"content": text}
-                return {"index": 0, "delta": msg, "finish_reason": fin, "logprobs": lps}
-            return {"index": 0, "text": text, "finish_reason": fin, "logprobs": lps}
+                return {"index": index, "delta": msg, "finish_reason": fin, "logprobs": lps}
+            return {"index": index, "text": text, "finish_reason": fin, "logprobs": lps}
 
         if not stream:
             async def collect():
@@ -322,8 +324,8 @@ def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None =
             out = task.result()
             metrics.observe_finished(out)
             _log_access(opts, request.scope, 200, out=out)
-            return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": [choice(out, False)],
-                    "usage": usage_of(out)}
+            return {"id": cid, "object": obj, "created": created, "model": model_name,
+                    "choices": [choice(out, False, i) for i in range(len(out.outputs))], "usage": usage_of(out)}
 
         try:  # the first output before the status line: a refused request gets its 4xx
             first = await next_out()
@@ -336,11 +338,12 @@ def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None =
             chunk_obj = "chat.completion.chunk" if chat else "text_completion"
             status, detail = 200, None
             try:
-                first_chunk = True
+                started: set[int] = set()  # completions whose first chunk (with the role) has gone
                 while True:
+                    i = out.delta_index
                     payload = {"id": cid, "object": chunk_obj, "created": created, "model": model_name,
-                               "choices": [choice(out, True, first_chunk)]}
-                    first_chunk = False
+                               "choices": [choice(out, True, i, i not in started)]}
+                    started.add(i)
                     if include_usage:
                         payload["usage"] = None
                     yield f"data: {json.dumps(payload)}\n\n"

@@ -166,8 +166,9 @@ class AsyncEngine:
 
 
 def usage_of(out: RequestOutput) -> dict:
-    u = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-         "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+    done = sum(len(c.token_ids) for c in out.outputs)  # every completion's (n > 1)
+    u = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": done,
+         "total_tokens": len(out.prompt_token_ids) + done}
     if out.spec is not None:
         u["spec"] = {"drafted": out.spec.num_drafted, "accepted": out.spec.num_accepted,
                      "acceptance_length": out.spec.acceptance_length}

@@ -83,8 +83,6 @@ def sampling_params(body: dict, chat: bool = False, opts: ServerOptions | None =
     ``default_max_tokens`` (4,096 unless set; never past the context)."""
     opts = opts or ServerOptions()
     n = body_field(body, "n", int, 1)
-    if n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
     for name, off in _UNSUPPORTED.items():
         if name in body and body[name] not in off:
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
@@ -117,7 +115,7 @@ def sampling_params(body: dict, chat: bool = False, opts: ServerOptions | None =
             stop_token_ids=stop_ids, ignore_eos=body_field(body, "ignore_eos", bool, False),
             relaxed_acceptance=body_field(body, "relaxed_acceptance", bool),
             relaxed_topk=body_field(body, "relaxed_topk", int), relaxed_delta=body_field(body, "relaxed_delta", _NUM),
-            logprobs=logprobs,
+            logprobs=logprobs, n=n,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -142,7 +140,8 @@ def _logprobs_field(body: dict, chat: bool) -> int | None:
 
 
 def chat_logprobs(out, count: int, k: int) -> dict:
-    """The last ``count`` output tokens' log-probabilities in the chat API's shape (``choices[].logprobs``)."""
+    """The last ``count`` tokens of a completion (``CompletionOutput``) with their log-probabilities in the chat API's
+    shape (``choices[].logprobs``)."""
     def item(text: str, lp: float) -> dict:
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
@@ -156,8 +155,8 @@ def chat_logprobs(out, count: int, k: int) -> dict:
 
 
 def completion_logprobs(out, count: int, k: int, offset: int) -> dict:
-    """The last ``count`` output tokens' log-probabilities in the completions API's shape; ``offset``: the text's
-    length before them."""
+    """The last ``count`` tokens of a completion (``CompletionOutput``) with their log-probabilities in the
+    completions API's shape; ``offset``: the text's length before them."""
     tokens, lps, tops, offsets = [], [], [], []
     for tok, entry in _last_entries(out, count):
         chosen = entry[tok]
@@ -173,7 +172,7 @@ def completion_logprobs(out, count: int, k: int, offset: int) -> dict:
 
 
 def _last_entries(out, count: int):
-    ids, entries = out.token_ids, out.outputs[0].logprobs or []
+    ids, entries = out.token_ids, out.logprobs or []
     n = min(count, len(entries))
     return list(zip(ids[len(ids) - n:], entries[len(entries) - n:]))
 
