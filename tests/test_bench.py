@@ -116,13 +116,13 @@ def test_bench_shared_prefix_with_prefix_caching_on_and_off(dirs):
 def test_two_rounds_report_the_mean_of_their_ratios():
     """Of an even number of rounds the ratio is the mean of the middle two, not the better one; each row stays
     a real round (the faster middle one)."""
-    from specserve.bench.run import _ratios, median_rounds
+    from specserve.bench.summary import median_rounds, ratios
 
     rows = [dict(engine="specserve", speculative=spec, batch=1, tokens_per_s=tps)
             for spec, tps in ((False, 1846.5), (True, 4302.5), (False, 1824.0), (True, 4189.1))]
     med = median_rounds(rows)
     assert sorted(r["tokens_per_s"] for r in med) == [1846.5, 4302.5]
-    ratio = _ratios(med)["specserve+spec / specserve @ batch 1, median of 2 rounds"]
+    ratio = ratios(med)["specserve+spec / specserve @ batch 1, median of 2 rounds"]
     assert ratio == pytest.approx((4302.5 / 1846.5 + 4189.1 / 1824.0) / 2)
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench.summary import median_rounds, ratios, spec_label
+
 log = logging.getLogger("specserve")
 
 
@@ -151,21 +153,6 @@ def _spec_config(cfg: BenchConfig) -> dict | None:
     return spec
 
 
-def median_rounds(rows: list[dict]) -> list[dict]:
-    """Rows of several rounds -> per (speculative, batch) the round with the median tokens/s, with every round's
-    tokens/s in ``round_tokens_per_s`` (in round order). One round: the rows as they are."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["speculative"], r.get("overlap"), r.get("prefix_caching"), r["batch"]), []).append(r)
-    out = []
-    for group in groups.values():
-        med = dict(sorted(group, key=lambda r: r["tokens_per_s"])[len(group) // 2])
-        if len(group) > 1:
-            med["round_tokens_per_s"] = [r["tokens_per_s"] for r in group]
-        out.append(med)
-    return out
-
-
 def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
                     overlap: bool = True, tree: str | None = None, caching: bool = True) -> list[dict]:
     """One engine (speculation off, the chain, or the draft tree ``tree``) at every batch size -> rows; a row's
@@ -189,7 +176,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             sc.update(topk=k, max_draft_len=depth, max_total_draft_tokens=n)
     kind = ("tree " + tree) if tree else spec
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
-    bar = _progress(f"specserve spec={_spec_label(kind)}{'' if overlap else ' no overlap'}"
+    bar = _progress(f"specserve spec={spec_label(kind)}{'' if overlap else ' no overlap'}"
                     f"{'' if caching else ' no prefix cache'}{label}", len(cfg.batch_sizes) * (cfg.repeats + 1))
     bar.set_postfix_str("loading")
     llm = LLM(cfg.model, **kw)
@@ -244,7 +231,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             row.update(acceptance_length=st.acceptance_length, per_position_acceptance=st.per_position,
                        draft_len=depth, forced_acceptance=cfg.forced_acceptance)
         rows.append(row)
-        log.info("specserve spec=%s batch=%d: %.1f tok/s", _spec_label(kind), b, row["tokens_per_s"])
+        log.info("specserve spec=%s batch=%d: %.1f tok/s", spec_label(kind), b, row["tokens_per_s"])
     bar.close()
     del llm, eng
     if dev.type == "cuda":
@@ -390,7 +377,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=_device_name(dev), command=cfg.command,
                 commit=_git_commit(), versions=_versions(bool(cfg.compare)), model=str(cfg.model or "default"),
                 dtype=cfg.dtype, copy_bandwidth_gbps=bw, config=asdict(cfg), settings=_settings(dev), **extras)
-    result = dict(meta=meta, rows=rows, ratios=_ratios(rows))
+    result = dict(meta=meta, rows=rows, ratios=ratios(rows))
     if cfg.out:
         from specserve.bench.report import write_outputs
 
@@ -456,56 +443,6 @@ def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return f"{platform.processor() or 'cpu'} ({torch.get_num_threads()} threads)"
-
-
-def _ratios(rows: list[dict]) -> dict:
-    """tokens/s ratios at each batch size: specserve (plain and speculative) over each baseline, and the overlap
-    scheduler's gain where it ran both ways."""
-    out: dict = {}
-    mine = [r for r in rows if r["engine"] == "specserve"]
-    for switch, label in (("overlap", "overlap"), ("prefix_caching", "prefix caching")):
-        # the same engine with the switch on and off, the others at their defaults
-        both = {(r["speculative"], r.get(switch, True), r["batch"]): r for r in mine
-                if all(r.get(other, True) for other in ("overlap", "prefix_caching") if other != switch)}
-        for (spec, on, b), r in both.items():
-            off = both.get((spec, False, b))
-            if on and off is not None:
-                name = f"{_engine_name(spec)} {label} on / off @ batch {b}"
-                out[name] = r["tokens_per_s"] / off["tokens_per_s"]
-                if "round_tokens_per_s" in r:
-                    each = sorted(x / y for x, y in zip(r["round_tokens_per_s"], off["round_tokens_per_s"]))
-                    out[f"{name}, median of {len(each)} rounds"] = statistics.median(each)
-    # the baselines' ratios: the default engines
-    rows = [r for r in rows if r.get("overlap", True) and r.get("prefix_caching", True)]
-    by = {(r["engine"], r["speculative"], r["batch"]): r["tokens_per_s"] for r in rows}
-    for (eng, spec, b), tps in by.items():
-        if eng != "specserve":
-            continue
-        name = _engine_name(spec)
-        for base in ("transformers", "transformers+compile"):
-            if (base, False, b) in by:
-                out[f"{name} / {base} @ batch {b}"] = tps / by[(base, False, b)]
-        for base in (False, True):  # over the plain engine; a tree's also over the chain
-            if spec and spec is not base and ("specserve", base, b) in by:
-                out[f"{name} / {_engine_name(base)} @ batch {b}"] = tps / by[("specserve", base, b)]
-    # rounds: the ratio within each round (the engines ran one after the other), their median
-    rounds = {(r["speculative"], r["batch"]): r["round_tokens_per_s"] for r in rows if "round_tokens_per_s" in r}
-    for (spec, b), tps in rounds.items():
-        for base in (False, True):
-            if spec and spec is not base and (base, b) in rounds:
-                each = sorted(s / p for s, p in zip(tps, rounds[(base, b)]))
-                out[f"{_engine_name(spec)} / {_engine_name(base)} @ batch {b}, median of {len(each)} rounds"] = \
-                    statistics.median(each)
-    return out
-
-
-def _spec_label(kind) -> str:
-    """A row's ``speculative`` in words: off, on (the chain) or the tree's shape."""
-    return kind if isinstance(kind, str) else ("on" if kind else "off")
-
-
-def _engine_name(kind) -> str:
-    return "specserve" if not kind else ("specserve+spec" if kind is True else f"specserve+{kind}")
 
 
 def check_steps(cfg: BenchConfig, dev: torch.device) -> None:

@@ -380,10 +380,6 @@ class ModelRunner:
         return batch
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def execute(self, batch: SchedulerOutput) -> list[RowResult]:
-        """Run one step and wait for it; returns one result per scheduled request, in schedule order."""
-        return self.collect(self.launch(batch))
-
     def launch(self, batch: SchedulerOutput) -> Launched:
         """Queue one step on the device and return without waiting for it (``collect`` waits). A step mixing
         generation rows with a few rows that end their prompts runs as several graph replays (``_split``): on
