@@ -437,6 +437,10 @@ class ModelRunner:
         if layout is not None:
             return [(every, layout)]
         gen = [i for i in every if self._generation_row(batch.scheduled[i])]
+        if gen and self.graphs is not None and self.graphs.padded_rows(len(gen)) is None:
+            # more one-token rows than a graph takes (prompts found cached but for their last token join running
+            # rows): the rows that continue the step in flight take the graph, the others run packed
+            gen = [i for i in gen if batch.scheduled[i].after is not None]
         if self.graphs is None or (gen and self.graphs.padded_rows(len(gen)) is None):
             return None if any(batch.scheduled[i].after is not None for i in gen) else [(every, None)]
         pre = [i for i in every if i not in set(gen)]
