@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +110,32 @@ def _chat_ids(tok, a: argparse.Namespace, messages: list[dict]) -> list[int]:
     return tok.apply_chat_template(([{"role": "system", "content": a.system}] if a.system else []) + messages)
 
 
+class _CtrlC:
+    """Around an engine step: a first Ctrl-C (SIGINT) is held until the step returns, then raised; a second one,
+    for a step that does not return, is raised at once. Outside the main thread (tests) a no-op."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+        if self.pressed and exc[0] is None:
+            raise KeyboardInterrupt
+
+
 def _stream(engine, rids: list[str | None], write, start=None, end=None) -> dict[str, object]:
     """Run the engine until ``rids`` finish, writing each reply's text as it comes, in prompt order: the first
     unfinished reply streams, later ones are held until it ends (``start(i)`` / ``end(i, out)`` around reply i).
@@ -133,9 +161,12 @@ def _stream(engine, rids: list[str | None], write, start=None, end=None) -> dict
 
     if order and start:
         start(order[0])
+    stop = _CtrlC()
     try:
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            with stop:  # Ctrl-C inside a step lets the step finish (the engine stays whole), then stops
+                outs = engine.step()
+            for out in outs:
                 rid = out.request_id
                 if rid not in held:
                     continue

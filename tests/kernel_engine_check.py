@@ -27,11 +27,14 @@ sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 QUICK = os.environ.get("SPECSERVE_KERNEL_CHECKS") == "quick"
 
 
-def run(backend: str, spec: bool, padded: bool, head: str = "e3") -> list[list[int]]:
+def run(backend: str, spec: bool, padded: bool, head: str = "e3", overlap: bool = False,
+        tree: bool = False) -> list[list[int]]:
     # a short context: the interpreter runs every key block of a row's table
+    sc = dict(method="eagle3", draft_model=str(root / head), max_draft_len=3) if spec else None
+    if tree:  # a draft tree: its ancestor bits in the attention kernel, its correction under the overlap scheduler
+        sc.update(topk=2, max_total_draft_tokens=6)
     llm = LLM(str(root / "t"), device="cpu", dtype="float32", attention_backend=backend, max_num_batched_tokens=9,
-              max_model_len=64,
-              speculative_config=dict(method="eagle3", draft_model=str(root / head), max_draft_len=3) if spec else None)
+              max_model_len=64, speculative_config=sc, overlap_scheduler=overlap, async_output=overlap)
     if padded:
         llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
     return [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
@@ -100,6 +103,12 @@ for fold in (True,) if QUICK else (True, False):
     bad += not same
     print(f"triton spec=True padded=True attention in splits, merged in the o projection={fold}: "
           f"{'ok' if same else 'DIFFERENT'}", flush=True)
+# the overlap scheduler (rows corrected on the device from the step in flight: correct_record's kernel), with a
+# chain and with a draft tree (the tree attention mask, positions by depth from the parents)
+for tree in (False, True):
+    same = run("triton", True, True, overlap=True, tree=tree) == ref
+    bad += not same
+    print(f"triton spec=True padded=True overlap scheduler, tree={tree}: {'ok' if same else 'DIFFERENT'}", flush=True)
 from specserve import kernels  # noqa: E402
 
 if kernels.FAILED:  # a kernel fell back to its reference: the comparison above did not test it

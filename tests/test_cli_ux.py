@@ -269,6 +269,38 @@ def test_chat_exits_on_exit_and_keeps_history(dirs, monkeypatch, capsys):
     assert len(prompts[1]) > len(prompts[0]) + 4  # ... and the reply to it
 
 
+def test_ctrl_c_inside_a_step_stops_the_reply_after_it(dirs, monkeypatch, capsys):
+    """SIGINT arriving in the middle of an engine step (here: between launching a step and collecting the one before)
+    is held until the step returns; the reply stops, the conversation goes on, and the engine is whole: the next
+    reply is the one a fresh engine gives, and every block is free."""
+    import os
+    import signal
+
+    import specserve.engine.llm_engine as le
+
+    engines, calls, returned = [], [], []
+    step = le.LLMEngine.step
+
+    def interrupted_step(self):
+        engines.append(self)
+        calls.append(1)
+        if len(calls) == 3:  # inside the third step of the first reply
+            os.kill(os.getpid(), signal.SIGINT)
+        outs = step(self)
+        returned.append(len(calls))
+        return outs
+
+    monkeypatch.setattr(le.LLMEngine, "step", interrupted_step)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHi\n/exit\n"))
+    rc = main(["chat", "--model", str(dirs / "target"), "--no-spec", "--device", "cpu", "--max-tokens", "8",
+               "--ignore-eos", "--disable-async-output-proc"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("(reply stopped)") == 1
+    assert 3 in returned  # the interrupted step ran to its end
+    eng = engines[0]
+    assert eng.pool.num_free == eng.pool.num_usable and not eng.has_unfinished_requests()
+
+
 # -- point 6: CPU defaults -----------------------------------------------------------------------------------------------
 def test_cpu_defaults(dirs, monkeypatch):
     import torch

@@ -67,12 +67,12 @@ def test_kernels_match_references_in_triton_interpreter(interpreter_runs):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no Triton wheel for this platform")
 def test_engine_with_triton_kernels_matches_reference_in_interpreter(interpreter_runs):
-    """Five runs (the quick set: the padded plain layout, the norm folded with gate/up and qkv on the several-row
-    kernels and without them, a draft vocabulary, attention in splits merged by the o projection); without
-    SPECSERVE_KERNEL_CHECKS=quick the script runs nine."""
+    """Seven runs (the quick set: the padded plain layout, the norm folded with gate/up and qkv on the several-row
+    kernels and without them, a draft vocabulary, attention in splits merged by the o projection, the overlap
+    scheduler with a chain and with a draft tree); without SPECSERVE_KERNEL_CHECKS=quick the script runs eleven."""
     rc, out = interpreter_runs("engine")
     assert rc == 0, out
-    assert out.count(": ok") == 5
+    assert out.count(": ok") == 7
     assert "built for sm_90" in out, out[-2000:]
 
 

@@ -275,10 +275,9 @@ def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None =
         async def next_out():
             if deadline is None:
                 return await gen.__anext__()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError
-            return await asyncio.wait_for(gen.__anext__(), remaining)  # a timeout aborts the request
+            # in this task (no task a chunk, as wait_for makes): a timeout cancels the wait, which aborts the request
+            async with asyncio.timeout_at(deadline):
+                return await gen.__anext__()
 
         def choice(out, delta: bool, index: int, first_chunk: bool = False):
             """Completion ``index`` of ``out``: whole, or (``delta``) what this output adds to it."""
