@@ -115,6 +115,14 @@ def check_attention(device, dtype):
         # FlexAttention, the third implementation (compiled on CUDA: bfloat16 only, to bound compile time)
         if dtype == (torch.bfloat16 if device == "cuda" else torch.float32):
             _close(paged_attention_flex(*args), ref, dtype, f"flex attention {hq}/{hkv}/{d}")
+        # a query past its row's block table (a row that drafts nothing, at positions it holds no blocks for): it
+        # sees every key the table holds, and nothing is read past the table
+        far = qpos.clone()
+        far[1, 0] = tables.shape[1] * bs + 37
+        far_args = (q, kc, vc, tables.to(device), qidx.to(device), far.to(device), d ** -0.5)
+        for ns in (None, 1):
+            _close(paged_attention_triton(*far_args, num_splits=ns), paged_attention_sdpa(*far_args), dtype,
+                   f"a query past its table, {ns} splits")
         # draft trees: rows 0 and 4 verify a root and 4 nodes of random parents (each query sees the keys before
         # the root and its ancestors'), the others stay causal (bits -1); several splits and one
         bits = torch.full_like(qpos, -1)

@@ -150,7 +150,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     _attn_split_kernel[(b * n_qt, hkv, num_splits)](
         q, q_rows if q_rows is not None else query_index, k_cache, v_cache, block_tables, query_index, query_pos,
         tree_bits if tree else query_pos, tree_base if tree else query_pos, part_acc, part_ml, out, scale, t, qw, n_qt,
-        sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        keys, sliding_window or 0, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), query_index.stride(0), out.stride(0), out.stride(1), num_splits,
         G=g, QPT=qpt, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=span, PAGE=page, D=d, HEAD_D=head_d,
         IEEE=q.dtype == torch.float32, DYNAMIC=not _INTERPRET, ITERS_STATIC=span // block_n, FINAL=final,
@@ -335,7 +335,8 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attn_split_kernel(Q, QROWS, KC, VC, BT, QIDX, QPOS, TBITS, TBASE, PACC, PML, O, scale, T, QW, NQT, WINDOW,
+    def _attn_split_kernel(Q, QROWS, KC, VC, BT, QIDX, QPOS, TBITS, TBASE, PACC, PML, O, scale, T, QW, NQT, KEYS,
+                           WINDOW,
                            sq_t, sq_h, sc_blk, sc_slot, sc_h, s_bt, s_qi, so_t, so_h, NS,
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            SPLIT: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, HEAD_D: tl.constexpr,
@@ -361,7 +362,9 @@ if HAVE_TRITON:
             j = (pid % NQT) * QPT + tl.arange(0, BLOCK_M) // G
             tb = tl.load(TBITS + b * s_qi + j, mask=valid, other=-1)
             tbase = tl.load(TBASE + b)
-        hi = tl.max(qp, axis=0) + 1  # keys needed by this tile: 0 .. max position
+        # keys needed by this tile: 0 .. max position, within the block table (a query past its row's table, a row
+        # that drafts nothing at a position it holds no block for, sees the keys the table holds, none past it)
+        hi = tl.minimum(tl.max(qp, axis=0) + 1, KEYS)
         lo_split = split.to(tl.int64) * SPLIT
         hi_split = tl.minimum(hi, lo_split + SPLIT)
         lo = lo_split

@@ -290,7 +290,8 @@ class TreeSpeculator(SpeculatorBase):
         tok = self._target_ids(idx)
         cand_tok, cand_par, cand_score, cand_depth = [tok], [torch.full_like(tok, -1)], [score], [torch.ones_like(tok)]
         f_id = torch.arange(k, device=dev).expand(b, k)  # the frontier's candidate ids
-        f_tok, f_score, f_hidden = tok, score, last[:, None, :].expand(b, k, last.shape[-1])
+        # copies, not broadcast views: the kernels read a row of positions or hidden states per token
+        f_tok, f_score, f_hidden = tok, score, last.repeat_interleave(k, dim=0).view(b, k, -1)
         f_bits = torch.zeros(b, k, dtype=torch.int64, device=dev)
         base = last_pos + 1  # [B]: the first scratch slot's position
         tables = meta.block_tables.repeat_interleave(k, dim=0)  # [B * k, M]
@@ -302,7 +303,7 @@ class TreeSpeculator(SpeculatorBase):
             spos = (base[:, None] + col[None, :]).clamp(max=self.max_pos)  # [B, k] scratch slot positions
             blk = meta.block_tables.gather(1, (spos // bs).clamp(max=meta.block_tables.shape[1] - 1))
             slot = torch.where(ok[:, None], blk * bs + spos % bs, PAD_BLOCK * bs).reshape(-1)
-            rope = (last_pos[:, None] + depth).expand(b, k).reshape(-1)
+            rope = (last_pos + depth).clamp(max=self.max_pos).repeat_interleave(k)  # [B * k]
             flat = torch.arange(b * k, device=dev)
             m = AttentionMetadata(slot_mapping=slot, block_tables=tables, query_index=flat[:, None],
                                   query_pos=spos.reshape(-1, 1), flat_index=flat, sliding_window=meta.sliding_window,
