@@ -12,16 +12,12 @@ from specserve.runner.cuda_graph import CudaGraphs, capture_sizes
 from specserve.runner.graph_inputs import row_fields, stage_record
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.staging import Staging
-from tiny_models import PROMPTS, make_head, make_hf_model
+from tiny_models import PROMPTS, target_with_heads
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("graphs")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=4)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
-    make_head(root / "mtp", root / "target", "mtp", num_modules=1, seed=2)
-    return root
+    return target_with_heads(tmp_path_factory.mktemp("graphs"), num_hidden_layers=4)
 
 
 SPECS = {

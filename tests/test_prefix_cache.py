@@ -10,16 +10,12 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.cache.kv_cache import BlockPool, block_keys
 from specserve.runner.cuda_graph import CudaGraphs
-from tiny_models import make_head, make_hf_model
+from tiny_models import target_with_heads
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
-    make_head(root / "mtp", root / "target", "mtp", num_modules=1, seed=2)
-    return root
+    return target_with_heads(tmp_path_factory.mktemp("prefix"))
 
 
 SPECS = {

@@ -199,6 +199,15 @@ def make_train_dirs(root: Path) -> Path:
     return root
 
 
+def target_with_heads(root: Path, num_hidden_layers: int = 2, mtp_modules: int = 1) -> Path:
+    """A tiny Llama target in ``root/target``, an EAGLE-3 head over its lm_head in ``root/eagle3`` and an MTP head
+    in ``root/mtp``."""
+    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=num_hidden_layers)
+    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    make_head(root / "mtp", root / "target", "mtp", num_modules=mtp_modules, seed=2)
+    return root
+
+
 def target_with_eagle3(root: Path, num_hidden_layers: int = 2) -> Path:
     """A tiny Llama target in ``root/target`` and an EAGLE-3 head over its lm_head in ``root/eagle3``."""
     make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=num_hidden_layers)
