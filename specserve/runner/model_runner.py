@@ -299,9 +299,6 @@ class ModelRunner:
         b, q, m = layout.rows, layout.q, layout.table_width
         ints, tables = row_fields(sched, b, q, self.block_size, self.table_lookahead)
         reqs = [s.request for s in sched]
-        last = self._last_record
-        # the same requests in the same layout as the step before, nothing else staged since: their parameters are
-        # in the buffer already, and only the fields that change per step are rewritten
         if self.overlap:  # the host buffers are used in turn: each record is staged whole
             floats: dict[str, list[float]] = {}
             switches = self._record_params(sched, b, ints, floats)
@@ -310,6 +307,9 @@ class ModelRunner:
             ints.update(overlap_fields(sched, b, spec.draft_len if spec is not None else 0, self.carry.scratch,
                                        spec.num_nodes if spec is not None else 0))
             return stage_record(self._ints, sched, b, q, m, ints, tables, floats), switches
+        last = self._last_record
+        # the same requests in the same layout as the step before, nothing else staged since: their parameters are
+        # in the buffer already, and only the fields that change per step are rewritten
         if (last is not None and last.layout == layout and last.version == self._ints.version
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
             ints.update(self._restaged_params(sched, b, last.ints))
