@@ -5,9 +5,9 @@ accepted every draft: its first position, KV slots and draft count are the large
 are placeholders. Every step writes its result rows into ``StepCarry``, a device buffer with one row per column of
 the engine's step (a request's index in that step's schedule), and the next step, before it expands its record,
 corrects its dependent rows from there (``correct_record``): with ``a`` of the ``prev_nd`` drafts accepted, the
-row starts ``prev_nd - a`` positions earlier, its tokens are the bonus and the new drafts, its draft count is
-what the rows' room allows then, its sampling offsets move back by the same amount and its thinking phase
-follows the tokens emitted. The host's copy of a step's result rows comes back through pinned buffers used in
+row starts ``prev_nd - a`` positions earlier, its tokens are the bonus and the new drafts (a draft tree's nodes,
+its parents too), its draft count is what the row's room allows then (a tree's: its nodes whose depth fits), its
+sampling offsets move back by the same amount and its thinking phase follows the tokens emitted. The host's copy of a step's result rows comes back through pinned buffers used in
 turn (``copy_back``), while the next step runs.
 """
 
