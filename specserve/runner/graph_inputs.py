@@ -13,7 +13,7 @@ start of the captured step, by one kernel (``specserve.kernels.step_inputs``).
 On the GPU machine the host is slow (numpy calls and CUDA copies cost several microseconds each): building
 every array on the host took 160 µs per plain step and 340 µs per speculative one (13% and 20% of the
 step); the record takes a few calls. Packed (eager) steps keep building their arrays on the host
-(``ModelRunner.stage``); tests check that both give the same tokens.
+(``runner/packed.py``); tests check that both give the same tokens.
 
 Dummy rows (padding up to the captured batch size) are rows of one token at position 0 that read and write
 only the pad block; tokens past a row's count are padding at position = their column, writing the pad block.

@@ -13,10 +13,9 @@ import operator
 from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from specserve.cache.kv_cache import KVCache, PAD_BLOCK
+from specserve.cache.kv_cache import KVCache
 from specserve.config import cdiv
 from specserve.kernels.step_inputs import correct_record, expand_record
 from specserve.models.attention import AttentionMetadata
@@ -25,10 +24,10 @@ from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
 from specserve.runner.overlap import CarryCopy, StepCarry, output_offsets, overlap_fields
-from specserve.runner.sampler import (LOGPROB_WIDTH, SAMPLING_FLOATS, SAMPLING_INTS, sample, sampling_columns,
-                                      sampling_tensors, token_logprobs)
+from specserve.runner.packed import PackedSteps
+from specserve.runner.sampler import LOGPROB_WIDTH, sample, sampling_columns, sampling_tensors, token_logprobs
 from specserve.runner.staging import Staging
-from specserve.runner.step_batch import ArrayPack, RowResult, StepBatch, StepSwitches
+from specserve.runner.step_batch import RowResult, StepBatch, StepSwitches
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -68,19 +67,6 @@ class _LastRecord:
     switches: StepSwitches
     ints: dict[str, list]  # its integer fields
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
-
-
-@dataclass
-class Staged:
-    """A packed step's inputs once uploaded: its named arrays' layout in the staging buffers. Device views are
-    made from this (``ModelRunner.views``)."""
-
-    ints: ArrayPack  # in the int64 staging buffer (``ModelRunner.stage`` lists the arrays)
-    floats: ArrayPack  # in the float32 one: sampling (and acceptance) parameters
-    q: int  # tokens per row (the widest row)
-    samplers: list  # the requests whose sampling parameters are staged, in row order
-    switches: StepSwitches
-    host_rows: list  # the scheduled rows (speculation's test heads read them)
 
 
 class ModelRunner:
@@ -191,6 +177,8 @@ class ModelRunner:
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
+        self.packed = PackedSteps(self._ints, self._floats, self.block_size, self.table_lookahead, self.vocab_size,
+                                  self.sliding_window, attention_backend, overlap)
         self._last_record: _LastRecord | None = None
 
     @property
@@ -203,92 +191,8 @@ class ModelRunner:
 
     # -- packed (eager) steps: the inputs built on the host ------------------------------------------------------
     def prepare(self, batch: SchedulerOutput) -> StepBatch:
-        """Device inputs of a packed step (``stage`` then ``views``)."""
-        return self.views(self.stage(batch))
-
-    def stage(self, batch: SchedulerOutput) -> Staged:
-        """Build a packed step's inputs on the host and upload them (a graph step stages a compact record
-        instead, ``stage_graph``). Row i's tokens follow row i-1's, and the block tables are as wide as the
-        longest row needs. Sampling parameters are staged for every sampling row; speculating, for every row
-        (acceptance reads them by row)."""
-        sched = batch.scheduled
-        bs = self.block_size
-        b = len(sched)
-        q = max(s.num_tokens for s in sched)
-        t = batch.total_tokens
-        la = self.table_lookahead
-        m = max(min(len(s.request.block_ids), cdiv(s.start + s.num_tokens + la, bs)) for s in sched)
-        spec = self.speculator
-        rows = [s for s in sched if s.sample or spec is not None]  # rows with results
-        samplers = [s.request for s in rows]
-        ns = len(samplers)
-        shapes = dict(input_ids=(t,), positions=(t,), slots=(t,), flat=(t,), tables=(b, m), query_index=(b, q),
-                      query_pos=(b, q), logits_indices=(0 if spec is not None else ns,),
-                      **{k: (ns,) for k in SAMPLING_INTS})
-        if self.overlap:
-            shapes["result_rows"] = (ns,)
-        fshapes = {k: (ns,) for k in SAMPLING_FLOATS}
-        if spec is not None:
-            more, fmore = spec.packed_shapes(b, q)
-            shapes.update(more)
-            fshapes.update(fmore)
-        ipack, fpack = ArrayPack(shapes), ArrayPack(fshapes)
-        a = ipack.views(self._ints.reserve(ipack.size))
-        a["tables"][:] = PAD_BLOCK
-        a["query_index"][:] = t  # padding queries read the zero row appended after the T real ones
-        a["query_pos"][:] = 0
-        # per row: its token ids and block-table row (Python lists); everything else is vectorised below
-        starts = np.fromiter((s.start for s in sched), np.int64, b)
-        counts = np.fromiter((s.num_tokens for s in sched), np.int64, b)
-        first = np.cumsum(counts) - counts  # [B] packed offset of each row's first token
-        tokens: list[int] = []
-        for i, s in enumerate(sched):
-            req = s.request
-            known = s.num_tokens - s.num_drafts
-            tokens += req.token_ids[s.start:s.start + known]
-            tokens += req.spec_token_ids[:s.num_drafts]
-            nb = min(len(req.block_ids), cdiv(s.start + s.num_tokens + la, bs))
-            a["tables"][i, :nb] = req.block_ids[:nb]
-        row = np.repeat(np.arange(b, dtype=np.int64), counts)  # [T] row of each token
-        col = np.arange(t, dtype=np.int64) - first[row]  # [T] its index within the row
-        p = starts[row] + col  # [T] its position
-        a["input_ids"][:] = tokens
-        a["positions"][:] = p
-        a["slots"][:] = a["tables"][row, p // bs] * bs + p % bs
-        a["flat"][:] = row * q + col
-        a["query_index"][row, col] = np.arange(t, dtype=np.int64)
-        a["query_pos"][row, col] = p
-        f = fpack.views(self._floats.reserve(fpack.size))
-        si, sf = sampling_columns(samplers, ns, self.vocab_size)
-        for k, v in (*si.items(), *sf.items()):
-            (a if k in si else f)[k][:] = v
-        if self.overlap:
-            a["result_rows"][:] = [s.column for s in rows]
-        if spec is None and ns:  # each sampling row's last token
-            a["logits_indices"][:] = (first + counts - 1)[np.fromiter((s.sample for s in sched), bool, b)]
-        switches = StepSwitches.of(samplers)
-        if spec is not None:
-            switches = spec.stage_packed(sched, a, f, row, col, first, switches)
-        self._ints.upload(ipack.size)
-        if fpack.size:
-            self._floats.upload(fpack.size)
-        return Staged(ipack, fpack, q, samplers, switches, sched)
-
-    def views(self, st: Staged) -> StepBatch:
-        """Device views of a staged packed step's inputs."""
-        a = st.ints.views(self._ints.view(st.ints.size))
-        f = st.floats.views(self._floats.view(st.floats.size))
-        meta = AttentionMetadata(
-            slot_mapping=a["slots"], block_tables=a["tables"], query_index=a["query_index"],
-            query_pos=a["query_pos"], flat_index=a["flat"], sliding_window=self.sliding_window,
-            backend=self.attention_backend, tree_bits=a.get("tree_bits"), tree_base=a.get("tree_base"),
-        )
-        sampling = sampling_tensors(st.samplers, {**a, **f}) if st.samplers else None
-        batch = StepBatch(input_ids=a["input_ids"], positions=a["positions"], meta=meta,
-                          logits_indices=a["logits_indices"], sampling=sampling, result_rows=a.get("result_rows"))
-        if self.speculator is not None:
-            batch.spec = self.speculator.packed_inputs(a, f, sampling, a["flat"], st.q, st.switches, st.host_rows)
-        return batch
+        """Device inputs of a packed step (``runner/packed.py``)."""
+        return self.packed.prepare(batch, self.speculator)
 
     # -- graph steps: a compact record, expanded on the device ---------------------------------------------------
     def stage_graph(self, batch: SchedulerOutput, layout: GraphLayout) -> tuple[Record, StepSwitches]:
