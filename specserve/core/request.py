@@ -72,11 +72,10 @@ class Request:
         self.spec_parents: list[int] | None = None  # a draft tree's parent columns (0: the last token); None: a chain
         # overlap scheduler: its row (a ``ScheduledRequest``) in the latest step launched and not yet collected
         self.in_flight = None
-        # prefix caching: its full blocks' keys so far (``cache.kv_cache.block_keys``), how many of its blocks are
-        # registered in the pool, and the prompt tokens it found cached when admitted
+        # prefix caching: its full blocks' keys so far (``cache.kv_cache.block_keys``) and how many of its blocks are
+        # registered in the pool
         self.block_keys: list[int] = []
         self.num_registered = 0
-        self.num_cached_tokens = 0
         # per output token, where asked: its log-probabilities (``Logprob`` dicts), and the rows of the tokens
         # appended since the last report (``sampler.token_logprobs``)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None

@@ -166,7 +166,7 @@ class Scheduler:
                 n = min(self._need(req), budget)
                 if not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
                     self.pool.free(req.block_ids)  # the cached blocks too: taken again when it fits
-                    req.num_computed_tokens = req.num_cached_tokens = 0
+                    req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
                 self.pool.reserve(req.block_ids, self._slots(req, n))
@@ -188,7 +188,7 @@ class Scheduler:
         usable = max(0, (req.num_tokens - max(after, 1)) // bs)
         req.block_ids = self.pool.match(keys[:usable])
         req.num_registered = len(req.block_ids)
-        req.num_computed_tokens = req.num_cached_tokens = len(req.block_ids) * bs
+        req.num_computed_tokens = len(req.block_ids) * bs
 
     def cache_blocks(self, req: Request) -> None:
         """Prefix caching: register the request's full blocks whose KV is computed and whose key's tokens are
@@ -217,7 +217,7 @@ class Scheduler:
             if f.finished:  # aborted with its family
                 continue
             f.block_ids = self.pool.share(shared)
-            f.num_computed_tokens = f.num_cached_tokens = len(shared) * bs
+            f.num_computed_tokens = len(shared) * bs
             self.waiting.appendleft(f)
         leader.followers = []
 
