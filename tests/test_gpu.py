@@ -100,3 +100,24 @@ def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, metho
         outs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.overlap is overlap and llm.engine.pool.num_free == llm.engine.pool.num_usable
     assert outs[True] == outs[False]
+
+
+def test_cuda_draft_trees_are_lossless_with_graphs_and_overlap(tmp_path_factory):
+    """Draft trees on CUDA (captured graphs, the tree mask in the Triton attention kernel, the overlap scheduler),
+    with steps above ``tree_max_batch_size`` drafting chains, give plain greedy decoding's tokens."""
+    from tiny_models import make_head
+
+    d = tmp_path_factory.mktemp("tree_gpu")
+    make_hf_model(d / "t", "llama", initializer_range=0.4, num_hidden_layers=4)
+    make_head(d / "h", d / "t", "eagle3", draft_vocab=150)
+    prompts = PROMPTS * 2
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26, max_num_seqs=6)
+    plain = [o.token_ids for o in LLM(str(d / "t"), **common).generate(prompts, sp)]
+    spec = dict(method="eagle3", draft_model=str(d / "h"), max_draft_len=3, topk=3, max_total_draft_tokens=8,
+                tree_max_batch_size=3)
+    for overlap in (False, True):
+        llm = LLM(str(d / "t"), speculative_config=spec, overlap_scheduler=overlap, **common)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
+        assert llm.engine.spec_stats.num_verify_steps > 0
+        assert llm.engine.pool.num_free == llm.engine.pool.num_usable
