@@ -35,6 +35,12 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
                ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
                per step with; 420 s
+  overlaprand  the overlap stage's runs without the real model: random weights of its shapes and a random head with
+               FORCED acceptance (2.58), 128-token random prompts; 420 s
+  adaptive     the 16 chat prompts at batches 1 8 32 64 128: no speculation, chains of fixed D = 1 2 3 4 and the
+               adaptive draft length (D in 0..4 each step), side by side; 420 s
+  adaptiverand the same with random weights and a random head (random:smollm2-135m, which accepts nearly nothing):
+               no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
   scale1       Llama-3.1-8B shapes (random weights and head, FORCED acceptance 1.64), batch 1, with the
                decode / verify / draft-loop step replays against the roofline (the 8B bars); 200 s
   scaleall     the same at batches 1 8 32 64 (FORCED 1.60); 300 s
@@ -74,7 +80,7 @@ EOF
 }
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
-STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap scale1 scaleall
+STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap overlaprand adaptive adaptiverand scale1 scaleall
  steps profile host attention regen-gpteacher regen regen-openers regen-code train vocab "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -207,6 +213,16 @@ for st in "$@"; do
     overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
                --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" \
                --steps 1 --out $OUT/overlap | tail -40 ;;
+    overlaprand) bench "$(lim 420)" --model random:smollm2-135m --draft random --draft-len 4 --overlap both \
+                   --forced-acceptance ${FORCED:-2.58} --ignore-eos --random-input-len 128 --batch-size 1 8 32 64 \
+                   --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" --steps 1 \
+                   --out $OUT/overlaprand | tail -40 ;;
+    adaptive) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --fixed-draft-lens 1 2 3 \
+                --adaptive-draft-len --batch-size 1 8 32 64 128 --max-tokens 256 --num-prompts 16 --repeats 2 \
+                --out $OUT/adaptive | tail -40 ;;
+    adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
+                    --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
+                    --repeats 2 --out $OUT/adaptiverand | tail -24 ;;
     scale1) bench "$(lim 200)" --model random:llama-3.1-8b --draft random --draft-len 4 \
               --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 --max-tokens 128 \
               --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 | tail -30 ;;

@@ -79,6 +79,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "chain of drafts)")
     sp.add_argument("--max-total-draft-tokens", type=int, default=None,
                     help="nodes of a draft tree the target verifies (default: topk x draft-len, at most 63)")
+    sp.add_argument("--draft-len-schedule", type=_schedule_arg, default=None, metavar="B:D[,B:D...]",
+                    help="draft length by batch size (TensorRT-LLM's draft_len_schedule): a step of B rows drafts the "
+                         "D of the smallest key >= B, none past the largest (e.g. 4:4,8:2,32:1)")
+    sp.add_argument("--adaptive-draft-len", action="store_true",
+                    help="each step drafts the D in 0..--draft-len of most expected tokens per second, from step costs "
+                         "measured at start (a few seconds) and the acceptance its requests are getting")
+    sp.add_argument("--step-cost-file", default=None, metavar="PATH",
+                    help="keep --adaptive-draft-len's measured step costs in this JSON file between runs")
+    sp.add_argument("--acceptance-rate-window-size", type=int, default=None, metavar="N",
+                    help="speculation gate (with --acceptance-rate-threshold): stop drafting for good once the "
+                         "acceptance rate over the last N speculative steps falls below the threshold")
+    sp.add_argument("--acceptance-rate-threshold", type=float, default=None, metavar="RATE",
+                    help="speculation gate: accepted / drafted in [0, 1]")
     sp.add_argument("--mtp-eagle", action=argparse.BooleanOptionalAction, default=None,
                     help="MTP: run one module D times (default when the head has fewer modules than D)")
     sp.add_argument("--relaxed-acceptance", action="store_true",
@@ -91,6 +104,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--forced-acceptance", type=float, default=None,
                     help="accept N drafts per step on average, whatever they are (a fraction alternates floor/ceil; "
                          "performance experiments only: output is NOT the model's)")
+
+
+def _schedule_arg(value: str) -> dict[int, int]:
+    """"4:4,8:2,32:1" -> {4: 4, 8: 2, 32: 1}."""
+    try:
+        return {int(b): int(d) for b, d in (part.split(":") for part in value.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCH:DRAFT_LEN pairs separated by commas, got {value!r}")
 
 
 def _token_arg(value: str | None) -> int | str | None:
@@ -116,7 +137,12 @@ def engine_args(a: argparse.Namespace):
                                    ("--mtp-eagle", a.mtp_eagle, None), ("--relaxed-acceptance", a.relaxed_acceptance,
                                                                         False), ("--topk", a.topk, s.topk),
                                    ("--max-total-draft-tokens", a.max_total_draft_tokens, None),
-                                   ("--forced-acceptance", a.forced_acceptance, None)) if v != d]
+                                   ("--forced-acceptance", a.forced_acceptance, None),
+                                   ("--draft-len-schedule", a.draft_len_schedule, None),
+                                   ("--adaptive-draft-len", a.adaptive_draft_len, False),
+                                   ("--step-cost-file", a.step_cost_file, None),
+                                   ("--acceptance-rate-window-size", a.acceptance_rate_window_size, None),
+                                   ("--acceptance-rate-threshold", a.acceptance_rate_threshold, None)) if v != d]
         if given:
             raise ValueError(f"{', '.join(given)} set but speculation is off ("
                              + ("--no-spec" if a.no_spec else "this model has no shipped head: give --draft") + ")")
@@ -127,7 +153,10 @@ def engine_args(a: argparse.Namespace):
                     forced_acceptance=a.forced_acceptance, use_relaxed_acceptance_for_thinking=a.relaxed_acceptance,
                     relaxed_topk=a.relaxed_topk, relaxed_delta=a.relaxed_delta,
                     begin_thinking_phase_token=_token_arg(a.begin_thinking_token),
-                    end_thinking_phase_token=_token_arg(a.end_thinking_token))
+                    end_thinking_phase_token=_token_arg(a.end_thinking_token),
+                    draft_len_schedule=a.draft_len_schedule, adaptive_draft_len=a.adaptive_draft_len,
+                    step_cost_file=a.step_cost_file, acceptance_rate_window_size=a.acceptance_rate_window_size,
+                    acceptance_rate_threshold=a.acceptance_rate_threshold)
         if a.mtp_eagle is not None:
             spec["mtp_eagle"] = a.mtp_eagle
     return EngineArgs(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
@@ -311,6 +340,11 @@ def _bench_parser(sub) -> None:
     b.add_argument("--enforce-eager", action="store_true")
     b.add_argument("--disable-async-output-proc", action="store_true",
                    help="detokenize and report each step before launching the next")
+    b.add_argument("--fixed-draft-lens", type=int, nargs="*", default=[], metavar="D",
+                   help="also run chains of these fixed draft lengths beside --draft-len's, each an engine of its own")
+    b.add_argument("--adaptive-draft-len", action="store_true",
+                   help="also run an engine that chooses each step's draft length in 0..--draft-len "
+                        "(speculative_config adaptive_draft_len)")
     b.add_argument("--tree", dest="trees", nargs="*", default=[], metavar="KxDxN",
                    help="also run these draft trees (topk x depth x total draft tokens, e.g. 4x5x24) beside the "
                         "chain of --draft-len drafts, each a speculative engine of its own")
@@ -342,7 +376,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
                           rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
                           async_output=False if a.disable_async_output_proc else None, overlap=a.overlap,
-                          trees=a.trees, prefix_caching=a.prefix_caching, shared_prefix_len=a.shared_prefix_len,
+                          trees=a.trees, fixed_draft_lens=a.fixed_draft_lens, adaptive=a.adaptive_draft_len,
+                          prefix_caching=a.prefix_caching, shared_prefix_len=a.shared_prefix_len,
                           kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:

@@ -67,10 +67,12 @@ def make_small_vocab(root):
     return root
 
 
-def sample_replies(root, spec: dict | None, n: int, prompt: list[int], seed: int = 0, biased: bool = False):
+def sample_replies(root, spec: dict | None, n: int, prompt: list[int], seed: int = 0, biased: bool = False,
+                   setup=None):
     """``n`` 3-token replies to ``prompt`` at temperature 1, seeds ``seed`` + i, with the MTP head of
     ``make_small_vocab`` and ``spec``'s settings (None: no speculation); ``biased``: the sampler keeps rejected
-    drafts in the bonus distribution -> (outputs, the engine's speculation statistics)."""
+    drafts in the bonus distribution; ``setup``: called with the LLM before it generates -> (outputs, the
+    engine's speculation statistics)."""
     from specserve import LLM, SamplingParams
 
     cfg = None if spec is None else dict(method="mtp", draft_model=str(root / "h"), **spec)
@@ -78,6 +80,8 @@ def sample_replies(root, spec: dict | None, n: int, prompt: list[int], seed: int
               speculative_config=cfg)
     if biased:
         llm.engine.runner.speculator.verifier.remove_rejected = False
+    if setup is not None:
+        setup(llm)
     params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=3, ignore_eos=True) for i in range(n)]
     return llm.generate([prompt] * n, params), llm.engine.spec_stats
 

@@ -1,7 +1,7 @@
 """The whole engine with every Triton kernel (through Triton's interpreter on the CPU) gives the greedy tokens
 of the PyTorch reference path: plain and speculative, packed and padded (graph) layouts, chunked prefill.
 Run by tests/test_kernels.py as ``TRITON_INTERPRET=1 python tests/kernel_engine_check.py``; with
-SPECSERVE_KERNEL_CHECKS=quick (the CPU suite) five runs that between them take every layout and kernel, instead
+SPECSERVE_KERNEL_CHECKS=quick (the CPU suite) a few runs that between them take every layout and kernel, instead
 of each case alone."""
 
 import os
@@ -27,13 +27,18 @@ QUICK = os.environ.get("SPECSERVE_KERNEL_CHECKS") == "quick"
 
 
 def run(backend: str, spec: bool, padded: bool, head: str = "e3", overlap: bool = False,
-        tree: bool = False, tokens: int = 12) -> list[list[int]]:
+        tree: bool = False, tokens: int = 12, draft_lens: list[int] | None = None) -> list[list[int]]:
     # a short context: the interpreter runs every key block of a row's table
     sc = dict(method="eagle3", draft_model=str(root / head), max_draft_len=3) if spec else None
     if tree:  # a draft tree: its ancestor bits in the attention kernel, its correction under the overlap scheduler
         sc.update(topk=2, max_total_draft_tokens=6)
+    if draft_lens:  # the draft length by step, in turn (a schedule that never binds lets it vary)
+        sc.update(draft_len_schedule={64: 3})
     llm = LLM(str(root / "t"), device="cpu", dtype="float32", attention_backend=backend, max_num_batched_tokens=9,
               max_model_len=64, speculative_config=sc, overlap_scheduler=overlap, async_output=overlap)
+    if draft_lens:
+        steps = iter(draft_lens * 100)
+        llm.engine.draft_policy.choose = lambda requests: next(steps)
     if padded:
         llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
     return [o.token_ids for o in llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=tokens,
@@ -104,11 +109,14 @@ for fold in (True,) if QUICK else (True, False):
     print(f"triton spec=True padded=True attention in splits, merged in the o projection={fold}: "
           f"{'ok' if same else 'DIFFERENT'}", flush=True)
 # the overlap scheduler (rows corrected on the device from the step in flight: correct_record's kernel), with a
-# chain and with a draft tree (the tree attention mask, positions by depth from the parents)
-for tree in (False, True):  # 7 tokens (greedy: the reference's first 7), as a tree step in the interpreter is slow
-    same = run("triton", True, True, overlap=True, tree=tree, tokens=7) == [r[:7] for r in ref]
+# chain, with a draft tree (the tree attention mask, positions by depth from the parents) and with a chain whose
+# draft length changes every step (layouts of 1 + its drafts, 0 included; a step drafting 0 runs no head)
+for tree, lens in ((False, None), (True, None), (False, [0, 3, 1, 0, 2, 3])):
+    # 7 tokens (greedy: the reference's first 7), as a tree step in the interpreter is slow
+    same = run("triton", True, True, overlap=True, tree=tree, tokens=7, draft_lens=lens) == [r[:7] for r in ref]
     bad += not same
-    print(f"triton spec=True padded=True overlap scheduler, tree={tree}: {'ok' if same else 'DIFFERENT'}", flush=True)
+    print(f"triton spec=True padded=True overlap scheduler, tree={tree}, draft lengths {lens}: "
+          f"{'ok' if same else 'DIFFERENT'}", flush=True)
 from specserve import kernels  # noqa: E402
 
 if kernels.FAILED:  # a kernel fell back to its reference: the comparison above did not test it

@@ -67,12 +67,13 @@ def test_kernels_match_references_in_triton_interpreter(interpreter_runs):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no Triton wheel for this platform")
 def test_engine_with_triton_kernels_matches_reference_in_interpreter(interpreter_runs):
-    """Seven runs (the quick set: the padded plain layout, the norm folded with gate/up and qkv on the several-row
+    """Eight runs (the quick set: the padded plain layout, the norm folded with gate/up and qkv on the several-row
     kernels and without them, a draft vocabulary, attention in splits merged by the o projection, the overlap
-    scheduler with a chain and with a draft tree); without SPECSERVE_KERNEL_CHECKS=quick the script runs eleven."""
+    scheduler with a chain, with a draft tree and with a chain whose draft length changes every step); without
+    SPECSERVE_KERNEL_CHECKS=quick the script runs twelve."""
     rc, out = interpreter_runs("engine")
     assert rc == 0, out
-    assert out.count(": ok") == 7
+    assert out.count(": ok") == 8
     assert "built for sm_90" in out, out[-2000:]
 
 

@@ -88,6 +88,12 @@ def _outputs(outs, stats: bool = True) -> list:
              None if o.spec is None or not stats else o.spec.as_dict()) for o in outs]
 
 
+def _acceptance(stats: SpecStats) -> dict:
+    """The engine's acceptance counts, without its steps by draft length (a count of engine steps, which a
+    schedule that overlaps chunked prompts with other rows may cut differently)."""
+    return {k: v for k, v in stats.as_dict().items() if k not in ("steps_by_draft_len", "draft_len_history")}
+
+
 def _compare(dirs, spec, n, long: bool = False, **kw):
     sync = _llm(dirs, spec, False, **kw)
     every = [" ".join([p] * (4 if long else 1)) for p in PROMPTS * 2]
@@ -103,8 +109,8 @@ def _compare(dirs, spec, n, long: bool = False, **kw):
     # so does a step's choice of tree or chain (its rows)
     exact = "num_kv_blocks" not in kw and "tree_max_batch_size" not in (SPECS[spec] or {})
     assert _outputs(got, exact) == _outputs(ref, exact)
-    if spec != "no-spec" and exact:
-        assert llm.engine.spec_stats.as_dict() == sync.engine.spec_stats.as_dict()  # each verified draft once
+    if spec != "no-spec" and exact:  # each verified draft once (the engine's steps may be cut otherwise: chunks)
+        assert _acceptance(llm.engine.spec_stats) == _acceptance(sync.engine.spec_stats)
     assert llm.engine.runner.continued > 0
     if spec != "no-spec":
         _assert_device_rows_match_host(llm)

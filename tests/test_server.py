@@ -271,6 +271,10 @@ def test_load_with_disconnects_frees_every_block(server, offline):
     assert m[("specserve_num_requests_waiting", ())] == 0
     assert m[("specserve_requests_total", (("finish_reason", "length"),))] >= len(done)
     assert m[("specserve_spec_draft_tokens", ())] > 0
+    # a fixed draft length of 3: every speculative step proposed 3 drafts a row
+    assert m[("specserve_spec_draft_len", ())] == 3
+    assert m[("specserve_spec_steps_by_draft_len", (("draft_len", "3"),))] > 0
+    assert m.get(("specserve_spec_steps_by_draft_len", (("draft_len", "0"),)), 0) == 0
 
 
 def test_non_streaming_client_that_hangs_up_is_cancelled(server):

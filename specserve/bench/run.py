@@ -48,6 +48,8 @@ class BenchConfig:
     draft_len: int = 4
     # draft trees to run besides the chain, each "KxDxN" (topk, depth, max_total_draft_tokens)
     trees: list[str] = field(default_factory=list)
+    fixed_draft_lens: list[int] = field(default_factory=list)  # chains of these D besides draft_len's
+    adaptive: bool = False  # also an engine choosing each step's D in 0..draft_len (adaptive_draft_len)
     forced_acceptance: float | None = None
     dtype: str = "auto"
     device: str | None = None
@@ -72,6 +74,8 @@ class BenchConfig:
             raise ValueError(f"--shared-prefix-len must be >= 0, got {self.shared_prefix_len!r}")
         for t in self.trees:
             tree_shape(t)
+        if any(not 1 <= d <= 16 for d in self.fixed_draft_lens):
+            raise ValueError(f"--fixed-draft-lens takes draft lengths in [1, 16], got {self.fixed_draft_lens}")
         bad = [c for c in self.compare if c not in ("hf", "hf-compile")]
         if bad:
             raise ValueError(f"--compare takes hf and/or hf-compile, got {bad}")
@@ -155,8 +159,9 @@ def _spec_config(cfg: BenchConfig) -> dict | None:
 
 def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
                     overlap: bool = True, tree: str | None = None, caching: bool = True) -> list[dict]:
-    """One engine (speculation off, the chain, or the draft tree ``tree``) at every batch size -> rows; a row's
-    ``speculative`` is False, True (the chain) or "tree KxDxN"."""
+    """One engine (speculation off, the chain, or ``tree``: a draft tree "KxDxN", a chain "D=k" of k drafts, or
+    "adaptive", a chain whose draft length each step chooses) at every batch size -> rows; a row's
+    ``speculative`` is False, True (the chain) or "tree KxDxN" / "chain D=k" / "adaptive"."""
     from specserve import LLM, SamplingParams
     from specserve.bench.steps import target_read_bytes
     from specserve.core.metrics import SpecStats
@@ -171,10 +176,16 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     depth = cfg.draft_len
     if spec:
         kw["speculative_config"] = sc = _spec_config(cfg)
-        if tree is not None:
+        if tree == "adaptive":
+            sc.update(adaptive_draft_len=True)
+        elif tree is not None and tree.startswith("D="):
+            depth = int(tree[2:])
+            sc.update(max_draft_len=depth)
+        elif tree is not None:
             k, depth, n = tree_shape(tree)
             sc.update(topk=k, max_draft_len=depth, max_total_draft_tokens=n)
-    kind = ("tree " + tree) if tree else spec
+    kind = tree if tree == "adaptive" else ("chain " + tree) if tree and tree.startswith("D=") else \
+        ("tree " + tree) if tree else spec
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
     bar = _progress(f"specserve spec={spec_label(kind)}{'' if overlap else ' no overlap'}"
                     f"{'' if caching else ' no prefix cache'}{label}", len(cfg.batch_sizes) * (cfg.repeats + 1))
@@ -229,7 +240,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                    graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0)
         if spec:
             row.update(acceptance_length=st.acceptance_length, per_position_acceptance=st.per_position,
-                       draft_len=depth, forced_acceptance=cfg.forced_acceptance)
+                       draft_len=depth, forced_acceptance=cfg.forced_acceptance,
+                       steps_by_draft_len=st.steps_by_draft_len)
         rows.append(row)
         log.info("specserve spec=%s batch=%d: %.1f tok/s", spec_label(kind), b, row["tokens_per_s"])
     bar.close()
@@ -360,6 +372,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         variants = [(spec, None) for spec in order[cfg.speculative]]
         if True in order[cfg.speculative]:
             variants += [(True, t) for t in cfg.trees]
+            variants += [(True, f"D={d}") for d in cfg.fixed_draft_lens] + [(True, "adaptive")] * cfg.adaptive
         for spec, tree in variants:
             for overlap in order[cfg.overlap][::-1]:
                 for caching in order[cfg.prefix_caching][::-1]:

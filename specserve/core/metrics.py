@@ -21,6 +21,21 @@ class SpecStats:
     num_emitted: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
+    # steps launched by the drafts they proposed a row (index: the draft length; a tree's steps count its nodes), and
+    # the same in launch order, run-length encoded as [draft length, steps]
+    steps_by_draft_len: list[int] = field(default_factory=list)
+    draft_len_history: list[list[int]] = field(default_factory=list)
+
+    def record_step(self, draft_len: int) -> None:
+        """One speculative step launched, proposing ``draft_len`` drafts a row."""
+        grow = draft_len + 1 - len(self.steps_by_draft_len)
+        if grow > 0:
+            self.steps_by_draft_len += [0] * grow
+        self.steps_by_draft_len[draft_len] += 1
+        if self.draft_len_history and self.draft_len_history[-1][0] == draft_len:
+            self.draft_len_history[-1][1] += 1
+        else:
+            self.draft_len_history.append([draft_len, 1])
 
     def record(self, num_drafts: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
         """One row's verify step: drafts verified, of them accepted, tokens emitted; ``depth``: a draft tree's
@@ -56,7 +71,8 @@ class SpecStats:
         return {"drafted": self.num_drafted, "accepted": self.num_accepted,
                 "verify_steps": self.num_verify_steps, "emitted": self.num_emitted,
                 "acceptance_rate": self.acceptance_rate, "acceptance_length": self.acceptance_length,
-                "per_position_acceptance": self.per_position}
+                "per_position_acceptance": self.per_position, "steps_by_draft_len": self.steps_by_draft_len,
+                "draft_len_history": self.draft_len_history}
 
     def summary(self) -> str:
         if not self.num_verify_steps:

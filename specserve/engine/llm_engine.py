@@ -18,6 +18,7 @@ from specserve.runner.sampler import parse_logprobs
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.checkpoint import check_head_folder, load_draft_head
+from specserve.speculative.draft_len import load_or_measure_costs
 from specserve.speculative.speculator import Speculator
 from specserve.speculative.tree import TreeSpeculator
 from specserve.tokenizer import IncrementalDetokenizer
@@ -89,6 +90,12 @@ class LLMEngine:
         self._in_flight = None  # the step launched and not yet collected (``async_output``)
         self._error: Exception | None = None  # a failed launch after a collected step, raised by the next step()
         self.spec_stats = SpecStats()
+        # the draft length of each step (``speculative/draft_len.py``): its acceptance prior is the engine's counts
+        self.draft_policy = speculator.policy if speculator is not None else None
+        if self.draft_policy is not None:
+            self.draft_policy.prior = lambda: self.spec_stats
+            if self.spec_config.adaptive_draft_len:
+                self.draft_policy.costs = load_or_measure_costs(self)
         self.num_steps = 0  # model steps run (benchmarks)
         self.requests: dict[str, Request] = {}
         self.families: dict[str, Family] = {}  # n > 1: the user's request id -> its completions
@@ -247,6 +254,7 @@ class LLMEngine:
         sampling row."""
         batch = launched.batch
         done = []
+        proposed = None
         for entry, res in self.scheduler.update(batch, self.runner.collect(launched)):
             req = entry.request
             if req.finished:  # aborted while its step ran
@@ -279,11 +287,18 @@ class LLMEngine:
                 if req.family is not None and req.family.finished:
                     self.families.pop(req.family.request_id, None)
             done.append((req, appended, entry.num_drafts, res.num_accepted, res.depth))
+            if self.draft_policy is not None and entry.sample:  # the drafts its step proposed
+                req.spec_stats.record_step(entry.next_drafts)
+                proposed = entry.next_drafts
         for s in batch.scheduled:
             if s.request.in_flight is s:
                 s.request.in_flight = None
             if not s.discard and not s.request.finished:
                 self.scheduler.cache_blocks(s.request)
+        if self.draft_policy is not None and done:
+            if proposed is not None:  # a step that sampled for some request still running or ended by it
+                self.spec_stats.record_step(proposed)
+            self.draft_policy.observe(sum(x[2] for x in done), sum(x[3] for x in done))  # the gate's window
         return done
 
     def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,

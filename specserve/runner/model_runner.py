@@ -218,7 +218,8 @@ class ModelRunner:
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
             ints.update(self._restaged_params(sched, b, last.ints))
             last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged)
-            return last.record, last.switches
+            spec = self.speculator  # the step's drafting may differ from the last one's
+            return last.record, last.switches if spec is None else spec.step_switches(last.switches)
         floats: dict[str, list[float]] = {}
         switches = self._record_params(sched, b, ints, floats)
         rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats)
@@ -284,13 +285,14 @@ class ModelRunner:
         return batch
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def launch(self, batch: SchedulerOutput) -> Launched:
+    def launch(self, batch: SchedulerOutput, draft_len: int | None = None) -> Launched:
         """Queue one step on the device and return without waiting for it (``collect`` waits). A step mixing
         generation rows with a few rows that end their prompts runs as several graph replays (``_split``): on
         the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
-        collected group by group here (two groups can replay one graph, whose output buffer the second rewrites)."""
-        if self.speculator is not None:  # the drafts this step proposes (a tree or a chain, by its rows)
-            most = self.speculator.plan_step(len(batch.scheduled))
+        collected group by group here (two groups can replay one graph, whose output buffer the second rewrites).
+        ``draft_len``: the drafts the step proposes, instead of the speculator's choice (step-cost measurements)."""
+        if self.speculator is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
+            most = self.speculator.plan_step(batch.scheduled, draft_len)
             for s in batch.scheduled:
                 s.next_drafts = most
         if self.overlap:

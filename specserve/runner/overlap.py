@@ -93,11 +93,13 @@ def overlap_fields(sched, rows: int, draft_len: int, scratch: int, num_nodes: in
         prev, room, cap = [], [], []
         for s in sched:
             r = s.request.max_total_tokens - (s.start + s.num_tokens - s.num_drafts) - 1
-            full = min(draft_len, max(0, r))  # the drafts it gets unless the budget cut them
-            full = n if full and n > draft_len else full  # a tree's: its largest count
+            # the drafts the step in flight proposes it (a chain's draft length may vary by step; a tree's N)
+            planned = s.after.next_drafts if s.after is not None and s.after.next_drafts >= 0 else n
+            full = min(planned, max(0, r))  # the drafts it gets unless the budget cut them
+            full = planned if full and planned > draft_len else full  # a tree's: its largest count
             prev.append(s.after.num_drafts if s.after is not None else 0)
             room.append(r)
-            cap.append(s.num_drafts if s.num_drafts < full else n)
+            cap.append(s.num_drafts if s.num_drafts < full else planned)
         pad = [0] * (rows - len(sched))
         out.update(prev_nd=prev + pad, room=room + pad, cap=cap + pad)
     return out

@@ -36,6 +36,7 @@ class SpecInputs:
     col_of_token: torch.Tensor  # [T] int64
     accept: AcceptInputs  # per-row acceptance settings (B rows)
     host_rows: list = field(default_factory=list)  # the scheduled rows: for test heads only, never device heads
+    draft_len: int = 0  # host-known: drafts this step proposes a row (a chain's; at most D)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class StepSwitches:
     max_topk: int = 1  # speculating: the largest relaxed top-k of the batch
     draft_topk: int = 1  # draft trees: children a node expands this step (1: the step drafts a chain)
     logprobs: int = -1  # the most top log-probabilities a row asks for (-1: none are computed)
+    draft_len: int = -1  # a chain: drafts this step proposes a row (0: it runs no head); -1 otherwise
 
     @classmethod
     def of(cls, reqs) -> "StepSwitches":

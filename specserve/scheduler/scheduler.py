@@ -40,7 +40,7 @@ class ScheduledRequest:
     # num_tokens and num_drafts assume it accepted every draft
     after: ScheduledRequest | None = None
     discard: bool = False  # the request finished or was preempted before this row's step was collected
-    next_drafts: int = 0  # the drafts its step proposes for the next at most (set at launch; 0: not known)
+    next_drafts: int = -1  # the drafts its step proposes for the next at most (set at launch; -1: not known)
 
     def rebase(self) -> None:
         """The row it continues has been collected: start and drafts as the request now has them (the device
@@ -94,10 +94,11 @@ class Scheduler:
         if not e.sample:  # a prompt chunk: nothing sampled, nothing to correct
             return computed, req.num_tokens, 0, None
         known = computed + 1  # accepted drafts and the bonus
-        drafts = min(self.cfg.max_draft_len, max(0, req.max_total_tokens - known - 1))
+        planned = e.next_drafts if e.next_drafts >= 0 else self.cfg.max_draft_len  # what its step drafts
+        drafts = min(planned, max(0, req.max_total_tokens - known - 1))
         if drafts and self.cfg.num_verify_drafts > self.cfg.max_draft_len:
             # a tree's nodes under a room limit are known on the device only: the most its step drafts
-            drafts = e.next_drafts or self.cfg.num_verify_drafts
+            drafts = planned if e.next_drafts >= 0 else self.cfg.num_verify_drafts
         return computed, known, drafts, e
 
     @staticmethod

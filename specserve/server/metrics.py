@@ -36,6 +36,10 @@ class ServerMetrics:
         self.accept_len = Gauge("specserve_spec_acceptance_length", "Emitted tokens per verify step", registry=r)
         self.per_pos = Gauge("specserve_spec_acceptance_per_position", "Acceptance of each draft position",
                              ["position"], registry=r)
+        self.draft_len = Gauge("specserve_spec_draft_len", "Drafts a row the last speculative step proposed",
+                               registry=r)
+        self.steps_by_len = Gauge("specserve_spec_steps_by_draft_len", "Speculative steps by the drafts a row they "
+                                  "proposed (total)", ["draft_len"], registry=r)
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.requests.labels(out.finish_reason or "unknown").inc()
@@ -60,4 +64,8 @@ class ServerMetrics:
         self.accept_len.set(s.acceptance_length or 0.0)
         for j, v in enumerate(s.per_position):
             self.per_pos.labels(str(j)).set(v)
+        if s.draft_len_history:
+            self.draft_len.set(s.draft_len_history[-1][0])
+        for d, n in enumerate(s.steps_by_draft_len):
+            self.steps_by_len.labels(str(d)).set(n)
         return generate_latest(self.registry)

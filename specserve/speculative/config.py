@@ -57,7 +57,18 @@ class SpeculativeConfig:
         step then costs 1 + D tokens a row instead of 1 + N): a tree's wider verify step pays only where the
         step's cost hardly grows with its rows. None: ``TREE_MAX_BATCH``.
 
-    A draft-length schedule is a later field.
+      draft_len_schedule: TensorRT-LLM's batch-size schedule of the draft length, {batch size: D}: a step of B
+        rows drafts the D of the smallest key >= B, and nothing (no speculation) past the largest key. Chains
+        (topk=1) only. JSON object keys may be strings of integers.
+      acceptance_rate_window_size / acceptance_rate_threshold: TensorRT-LLM's speculation gate: once the
+        acceptance rate (accepted / drafted) over the last ``window`` speculative steps falls below the
+        threshold (in [0, 1]), no step drafts again. Both or neither.
+      adaptive_draft_len: each step drafts the D in 0..max_draft_len (at most the schedule's) of most expected
+        tokens per second: the measured seconds of a step of its rows and that D, against the acceptance its
+        requests are getting (``speculative/draft_len.py``). Chains only.
+      step_cost_file: a JSON file that keeps the measured step costs between runs (per model, head, dtype,
+        device and D); the first run with it measures (a few seconds at engine start) and writes them.
+    Outputs never depend on the draft length: every token is the target's.
     """
 
     method: str | None = None
@@ -74,6 +85,11 @@ class SpeculativeConfig:
     topk: int = 1
     max_total_draft_tokens: int | None = None
     tree_max_batch_size: int | None = None
+    draft_len_schedule: dict[int, int] | None = None
+    acceptance_rate_window_size: int | None = None
+    acceptance_rate_threshold: float | None = None
+    adaptive_draft_len: bool = False
+    step_cost_file: str | None = None
 
     def __post_init__(self) -> None:
         found = None
@@ -107,6 +123,7 @@ class SpeculativeConfig:
         if self.mtp_eagle is not None and self.method != "mtp":
             raise ValueError("mtp_eagle applies to method='mtp' only")
         self._check_tree()
+        self._check_draft_len()
         if self.forced_acceptance is not None and not 0 <= self.forced_acceptance <= self.max_draft_len:
             raise ValueError(
                 f"forced_acceptance must be in [0, max_draft_len={self.max_draft_len}], got {self.forced_acceptance}"
@@ -143,6 +160,41 @@ class SpeculativeConfig:
                                  "acceptance need topk=1")
             if self.mtp_eagle is False:
                 raise ValueError("tree drafting (topk > 1) needs an EAGLE-3 or MTP-Eagle head, not vanilla MTP")
+
+    def _check_draft_len(self) -> None:
+        sched = self.draft_len_schedule
+        if sched is not None:
+            if not isinstance(sched, dict) or not sched:
+                raise ValueError(f"draft_len_schedule must be a non-empty {{batch size: draft length}} dict, got "
+                                 f"{sched!r}")
+            try:
+                sched = {int(b): int(d) for b, d in sched.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"draft_len_schedule needs integer batch sizes and draft lengths, got {sched!r}")
+            bad = {b: d for b, d in sched.items() if b < 1 or not 0 <= d <= self.max_draft_len}
+            if bad:
+                raise ValueError(f"draft_len_schedule {bad}: batch sizes must be >= 1 and draft lengths in "
+                                 f"[0, max_draft_len={self.max_draft_len}]")
+            self.draft_len_schedule = sched
+        w, t = self.acceptance_rate_window_size, self.acceptance_rate_threshold
+        if (w is None) != (t is None):
+            raise ValueError("the speculation gate needs both acceptance_rate_window_size and "
+                             "acceptance_rate_threshold")
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"acceptance_rate_window_size must be an integer >= 1, got {w!r}")
+        if t is not None and not 0.0 <= float(t) <= 1.0:
+            raise ValueError(f"acceptance_rate_threshold must be in [0, 1], got {t!r}")
+        if self.step_cost_file is not None and not self.adaptive_draft_len:
+            raise ValueError("step_cost_file keeps adaptive_draft_len's costs; set adaptive_draft_len=True")
+        if self.tree and (sched is not None or self.adaptive_draft_len or w is not None):
+            raise ValueError("draft_len_schedule, the speculation gate and adaptive_draft_len apply to chains "
+                             "(topk=1); a tree's steps choose between the tree and a chain by tree_max_batch_size")
+
+    @property
+    def varies_draft_len(self) -> bool:
+        """Whether a step may draft fewer than ``max_draft_len`` (a schedule, the gate or adaptive choice)."""
+        return (self.draft_len_schedule is not None or self.acceptance_rate_window_size is not None
+                or self.adaptive_draft_len)
 
     # -- numbers derived from D (and the tree), computed here only -----------------------------------------------
     @property

@@ -29,6 +29,7 @@ from specserve.runner.sampler import LOGPROB_WIDTH, SamplingTensors, token_logpr
 from specserve.runner.step_batch import RowResult, SpecInputs, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs, accept
 from specserve.speculative.config import SpeculativeConfig
+from specserve.speculative.draft_len import AcceptanceGate, DraftLenPolicy
 from specserve.speculative.heads import DraftHead, DraftInputs, place
 
 # per-row acceptance settings as staged (``acceptance_columns``), with their padding rows' values (greedy, nothing
@@ -94,19 +95,24 @@ class Drafter:
         self.head, self.head_kv = head, head_kv
         self.block_size, self.draft_len, self.max_pos = block_size, draft_len, max_pos
 
-    def __call__(self, batch: StepBatch, hidden, aux, accepted, emitted, out: torch.Tensor) -> torch.Tensor:
-        """-> drafts [B, D] (target ids), in ``out`` where the head's kernels can write them."""
+    def __call__(self, batch: StepBatch, hidden, aux, accepted, emitted, draft_len: int,
+                 out: torch.Tensor) -> torch.Tensor:
+        """-> drafts [B, d] (target ids; d = ``draft_len``, this step's), in ``out`` where the head's kernels can
+        write them."""
         spec, meta = batch.spec, batch.meta
-        b, w = spec.ext.shape
         ok = spec.accept.can_accept
+        ext = spec.ext  # [B, q + dv + 2] for rows of dv drafts; drafting more reads up to column q + d + 1
+        more = draft_len - (spec.verify_idx.shape[1] - 1)
+        if more > 0:
+            ext = torch.nn.functional.pad(ext, (0, more))
         # the draft table with the bonus token, the last accepted token, the chain's slots (one kernel)
-        s = draft_inputs(accepted, emitted, spec.base_col, spec.t0, spec.start, spec.ext, ok, meta.block_tables,
-                         spec.row_of_token, spec.col_of_token, self.block_size, self.draft_len, self.max_pos)
+        s = draft_inputs(accepted, emitted, spec.base_col, spec.t0, spec.start, ext, ok, meta.block_tables,
+                         spec.row_of_token, spec.col_of_token, self.block_size, draft_len, self.max_pos)
         x = DraftInputs(
             ids_ext=s["ext"], row_of_token=spec.row_of_token, col_of_token=spec.col_of_token,
             positions=batch.positions, meta=meta, hidden=hidden, aux=aux, last_idx=s["last_idx"],
             last_col=s["last_col"], last_pos=s["last_pos"], block_tables=meta.block_tables, draft_ok=ok,
-            block_size=self.block_size, draft_len=self.draft_len, host_rows=spec.host_rows,
+            block_size=self.block_size, draft_len=draft_len, host_rows=spec.host_rows,
             step0_ids=s["ids0"], chain=(s["chain_pos"], s["chain_slot"]))
         return self.head.propose(x, self.head_kv, out=out)
 
@@ -131,6 +137,7 @@ class SpeculatorBase:
         self.num_nodes = spec.num_nodes  # drafts a row verifies at most (a chain's D, a tree's N)
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
+        self.policy = DraftLenPolicy(self.draft_len)  # a chain's draft length by step (a tree's: fixed)
 
     @property
     def verify_len(self) -> int:
@@ -165,6 +172,12 @@ class Speculator(SpeculatorBase):
                  block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         super().__init__(spec, thinking_tokens)
         self.drafter = Drafter(head, head_kv, block_size, self.draft_len, model.rope.cos_cache.shape[0] - 1)
+        gate = None
+        if spec.acceptance_rate_window_size is not None:
+            gate = AcceptanceGate(spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
+        # the drafts each step proposes (fixed unless configured otherwise); the engine sets its costs and prior
+        self.policy = DraftLenPolicy(self.draft_len, spec.draft_len_schedule, spec.adaptive_draft_len, gate)
+        self.step_draft_len = self.draft_len  # this step's (``plan_step``)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -176,13 +189,22 @@ class Speculator(SpeculatorBase):
         """Rows of a step's result: accepted count, D + 1 emitted tokens, D drafts."""
         return 2 * self.draft_len + 2
 
-    def plan_step(self, rows: int) -> int:
-        """Before a step of ``rows`` rows is staged -> the drafts it proposes a row at most (a chain: D)."""
-        return self.draft_len
+    def plan_step(self, sched, draft_len: int | None = None) -> int:
+        """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
+        ``draft_len`` where given: step-cost measurements)."""
+        self.step_draft_len = self.policy.choose([s.request for s in sched]) if draft_len is None else draft_len
+        return self.step_draft_len
 
     def verify_q(self, max_drafts: int) -> int:
-        """Tokens a row of a generation step's graph layout takes, for rows of at most ``max_drafts`` drafts."""
-        return self.spec.verify_len
+        """Tokens a row of a generation step's graph layout takes, for rows of at most ``max_drafts`` drafts: 1 + D,
+        or where the draft length varies, 1 + ``max_drafts`` (a graph per length in use, so that a step that
+        verifies fewer drafts costs less)."""
+        return 1 + max_drafts if self.policy.varies else self.spec.verify_len
+
+    def step_switches(self, switches: StepSwitches) -> StepSwitches:
+        """A record's switches with this step's draft length (a record restaged for the same rows keeps the
+        others)."""
+        return dataclasses.replace(switches, draft_len=self.step_draft_len)
 
     # -- host: what a step stages per row ---------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -232,10 +254,9 @@ class Speculator(SpeculatorBase):
         (each row's thinking phase)."""
         return {"flags": self.flags_now(sched, rows, first["flags"])}
 
-    @staticmethod
-    def _switches(switches: StepSwitches, cols: dict[str, list[int]]) -> StepSwitches:
+    def _switches(self, switches: StepSwitches, cols: dict[str, list[int]]) -> StepSwitches:
         return dataclasses.replace(switches, simple_greedy=switches.all_greedy and not any(cols["relaxed"]),
-                                   max_topk=max(cols["relaxed_topk"]))
+                                   max_topk=max(cols["relaxed_topk"]), draft_len=self.step_draft_len)
 
     # -- device: a step's inputs -----------------------------------------------------------------------------
     def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
@@ -245,7 +266,8 @@ class Speculator(SpeculatorBase):
                                    f["relaxed_delta"], a["thinking"], switches)
         return SpecInputs(verify_idx=a["verify_idx"], verify_all=False, drafts=a["drafts"], num_drafts=a["num_drafts"],
                           base_col=a["base_col"], t0=a["t0"], start=a["start"], ext=a["ext"],
-                          row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc, host_rows=host_rows)
+                          row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc, host_rows=host_rows,
+                          draft_len=switches.draft_len)
 
     def graph_inputs(self, f: dict, x: dict, sampling: SamplingTensors, switches: StepSwitches, verify_all: bool,
                      host_rows: list, meta=None) -> SpecInputs:
@@ -258,7 +280,8 @@ class Speculator(SpeculatorBase):
         return SpecInputs(verify_idx=x["verify_idx"], verify_all=verify_all, drafts=x["drafts"],
                           num_drafts=f["num_drafts"], base_col=x["base_col"], t0=x["t0"], start=f["start"],
                           ext=x["ext"], row_of_token=x["row_of_token"].view(-1),
-                          col_of_token=x["col_of_token"].reshape(-1), accept=acc, host_rows=host_rows)
+                          col_of_token=x["col_of_token"].reshape(-1), accept=acc, host_rows=host_rows,
+                          draft_len=switches.draft_len)
 
     # -- device: verify, accept, draft -----------------------------------------------------------------------
     def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
@@ -266,17 +289,21 @@ class Speculator(SpeculatorBase):
         emitted tokens, drafts. On the GPU the acceptance kernel and each draft step's argmax write their rows
         in place (no concatenation kernels)."""
         d = self.draft_len
-        b = batch.spec.verify_idx.shape[0]
+        b, dv1 = batch.spec.verify_idx.shape  # rows, 1 + the most drafts a row verifies (at most D)
+        dn = batch.spec.draft_len  # drafts this step proposes (at most D; rows past it are never read)
         res = torch.empty(2 * d + 2, b, dtype=torch.int64, device=hidden.device)
-        accepted, emitted, logits = self.verifier(model, hidden, batch.spec, out=res[:d + 2])
+        accepted, emitted, logits = self.verifier(model, hidden, batch.spec, out=res[:dv1 + 1])
         place(res[0], accepted)
-        place(res[1:d + 2].t(), emitted)
-        place(res[d + 2:].t(), self.drafter(batch, hidden, aux, accepted, emitted, out=res[d + 2:].t()))
+        place(res[1:dv1 + 1].t(), emitted)
+        if dn:  # a step that drafts nothing runs no head
+            out = res[d + 2:d + 2 + dn].t()
+            place(out, self.drafter(batch, hidden, aux, accepted, emitted, dn, out=out))
         k = batch.spec.accept.sampling.logprobs
         if k < 0:
             return res
         # each emitted token's log-probabilities at its verified position [B, (D+1) * LOGPROB_WIDTH]
-        return res, token_logprobs(logits.reshape(b * (d + 1), -1), emitted.reshape(-1), k).view(b, -1)
+        lp = token_logprobs(logits.reshape(b * dv1, -1), emitted.reshape(-1), k).view(b, -1)
+        return res, torch.nn.functional.pad(lp, (0, (d + 1 - dv1) * LOGPROB_WIDTH))
 
     # -- host: the copied-back result ------------------------------------------------------------------------
     def results(self, sched, rows, logprobs: list[list[float]] | None = None) -> list[RowResult]:
@@ -290,6 +317,7 @@ class Speculator(SpeculatorBase):
                 out.append(RowResult([]))
                 continue
             acc = row[0]
-            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:]), s.num_drafts, acc,
+            n = s.next_drafts if s.next_drafts >= 0 else d  # the drafts its step proposed
+            out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + n]), s.num_drafts, acc,
                                  logprobs=emitted_logprobs(logprobs, i, acc + 1)))
         return out

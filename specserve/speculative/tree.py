@@ -98,11 +98,17 @@ class TreeSpeculator(SpeculatorBase):
         """Rows of a step's result: accepted count, D + 1 emitted tokens, N node tokens, N parents."""
         return 2 + self.draft_len + 2 * self.num_nodes
 
-    def plan_step(self, rows: int) -> int:
+    def plan_step(self, sched, draft_len: int | None = None) -> int:
         """A step of more than ``tree_max_batch_size`` rows drafts a chain (a tree of one child a node, whose next
-        verify step takes 1 + D tokens a row) -> the drafts it proposes a row at most."""
-        self.step_topk = self.topk if rows <= self.spec.tree_max_batch_size else 1
+        verify step takes 1 + D tokens a row) -> the drafts it proposes a row at most (``draft_len``: D for a
+        chain, N for a tree, where a caller chooses)."""
+        tree = len(sched) <= self.spec.tree_max_batch_size if draft_len is None else draft_len > self.draft_len
+        self.step_topk = self.topk if tree else 1
         return self.num_nodes if self.step_topk > 1 else self.draft_len
+
+    def step_switches(self, switches: StepSwitches) -> StepSwitches:
+        """A record's switches with this step's drafting (tree or chain)."""
+        return dataclasses.replace(switches, draft_topk=self.step_topk)
 
     def verify_q(self, max_drafts: int) -> int:
         """A generation layout's tokens a row: 1 + D where every row verifies a chain's worth, else 1 + N."""

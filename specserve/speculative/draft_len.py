@@ -1,0 +1,285 @@
+"""How many drafts a step proposes, D in 0..max_draft_len, chosen on the host before the step is staged.
+
+Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine start):
+
+* fixed: every step drafts ``max_draft_len`` (the default);
+* ``draft_len_schedule`` (TensorRT-LLM's): {batch size: D}; a step of B rows drafts the D of the smallest key
+  >= B, and 0 (no speculation) past the largest key;
+* ``adaptive_draft_len``: each step the D of most expected tokens per second, from the measured seconds of a
+  step of that many rows and that D (``StepCosts``, measured at engine start by ``measure_step_costs``, or
+  loaded from ``step_cost_file``) and the acceptance the batch's requests are getting (``expected_tokens``);
+
+and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
+last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
+stops drafting for good.
+
+Outputs never depend on D: a step verifies whatever the step before drafted (0 included) and the target decides
+every token. A step that drafts 0 runs no draft head at all, so the head's KV misses that step's positions; its
+later drafts read stale keys there, which can lower acceptance, never change a token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from specserve.core.metrics import SpecStats
+
+log = logging.getLogger("specserve")
+
+# acceptance of a request that has verified nothing yet: the engine's, weighted as this many of its own steps
+PRIOR_STEPS = 4.0
+
+
+@dataclass
+class StepCosts:
+    """Seconds of one speculative step by (rows, D): ``seconds[i][d]`` for a step of ``buckets[i]`` rows (a
+    graph step's rows are padded up to its capture size, so a step of B rows costs what the smallest bucket
+    >= B costs)."""
+
+    buckets: list[int]  # ascending row counts
+    seconds: list[list[float]]  # [bucket][D = 0..max_draft_len]
+
+    def __post_init__(self) -> None:
+        if not self.buckets or len(self.buckets) != len(self.seconds) or self.buckets != sorted(set(self.buckets)):
+            raise ValueError("step costs need ascending, distinct row counts, one row of seconds each")
+        widths = {len(s) for s in self.seconds}
+        if len(widths) != 1 or min(widths) < 1 or any(t <= 0 for s in self.seconds for t in s):
+            raise ValueError("step costs need positive seconds for the same draft lengths in every bucket")
+
+    @property
+    def max_draft_len(self) -> int:
+        return len(self.seconds[0]) - 1
+
+    def row(self, rows: int) -> list[float]:
+        """Seconds of a step of ``rows`` rows for each D: the smallest bucket holding them; past the largest,
+        that bucket's scaled by rows (a step's cost grows at most linearly in its rows)."""
+        i = bisect.bisect_left(self.buckets, rows)
+        if i < len(self.buckets):
+            return self.seconds[i]
+        scale = rows / self.buckets[-1]
+        return [t * scale for t in self.seconds[-1]]
+
+    def as_dict(self) -> dict:
+        return {"buckets": self.buckets, "seconds": self.seconds}
+
+    def save(self, path: str | Path, key: str) -> None:
+        """Write under ``key`` (the model, head, dtype and device the costs belong to) into a JSON file, keeping
+        the other keys it holds."""
+        p = Path(path)
+        data = json.loads(p.read_text()) if p.is_file() else {}
+        data[key] = self.as_dict()
+        p.write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, key: str) -> "StepCosts | None":
+        """The costs stored under ``key`` in a JSON file written by ``save``; None when the file or key is
+        missing. A file that is not such JSON raises ``ValueError`` naming it."""
+        p = Path(path)
+        if not p.is_file():
+            return None
+        try:
+            entry = json.loads(p.read_text()).get(key)
+            return None if entry is None else cls([int(b) for b in entry["buckets"]],
+                                                  [[float(t) for t in s] for s in entry["seconds"]])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"step cost file {p} is not one written by specserve ({e})") from e
+
+
+def expected_tokens(stats: list[SpecStats], prior: SpecStats, max_draft_len: int) -> np.ndarray:
+    """Expected tokens a batch emits per step for each D = 0..max_draft_len [D+1]: per row 1 + sum over the
+    first D positions of P(the draft there is accepted | drafted), from its own counts blended with ``prior``'s
+    rates (the engine's) weighted as ``PRIOR_STEPS`` steps; a position nobody drafted yet counts as the one before
+    it (optimistic, so that new positions get tried)."""
+    glob = np.zeros(max_draft_len)
+    last = 1.0
+    for j in range(max_draft_len):
+        if j < len(prior.drafted_per_pos) and prior.drafted_per_pos[j]:
+            last = prior.accepted_per_pos[j] / prior.drafted_per_pos[j]
+        glob[j] = last
+    total = np.zeros(max_draft_len + 1)
+    for s in stats:
+        n = len(s.drafted_per_pos)
+        drafted = np.zeros(max_draft_len)
+        accepted = np.zeros(max_draft_len)
+        m = min(n, max_draft_len)
+        drafted[:m] = s.drafted_per_pos[:m]
+        accepted[:m] = s.accepted_per_pos[:m]
+        rate = (accepted + PRIOR_STEPS * glob) / (drafted + PRIOR_STEPS)
+        # a chain accepts position j only after every position before it: rates per position are already
+        # conditional on being drafted, and accepted counts are prefixes, so they are non-increasing here
+        rate = np.minimum.accumulate(rate)
+        total += np.concatenate(([1.0], 1.0 + np.cumsum(rate)))
+    return total
+
+
+def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int) -> int:
+    """The D in 0..``allowed`` of most expected tokens per second (``tokens`` [D+1] per step, ``seconds``
+    per step); ties go to the shorter D."""
+    best, rate = 0, tokens[0] / seconds[0]
+    for d in range(1, min(allowed, len(seconds) - 1, len(tokens) - 1) + 1):
+        r = tokens[d] / seconds[d]
+        if r > rate * (1 + 1e-9):
+            best, rate = d, r
+    return best
+
+
+class AcceptanceGate:
+    """TensorRT-LLM's speculation gate: the acceptance rate (accepted / drafted) summed over the last ``window``
+    speculative steps; below ``threshold`` once the window is full, speculation stops for good."""
+
+    def __init__(self, window: int, threshold: float) -> None:
+        self.window, self.threshold = window, threshold
+        self.steps: deque[tuple[int, int]] = deque(maxlen=window)  # (drafted, accepted) per step
+        self.closed = False
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.closed or drafted <= 0:
+            return
+        self.steps.append((drafted, accepted))
+        if len(self.steps) == self.window:
+            d = sum(s[0] for s in self.steps)
+            a = sum(s[1] for s in self.steps)
+            self.closed = a < self.threshold * d
+
+
+class DraftLenPolicy:
+    """The drafts each step proposes (module docstring). ``choose`` runs on the host at each launch; ``observe``
+    takes each collected step's counts (drafted, accepted over its rows)."""
+
+    def __init__(self, max_draft_len: int, schedule: dict[int, int] | None = None, adaptive: bool = False,
+                 gate: AcceptanceGate | None = None, costs: StepCosts | None = None,
+                 prior: Callable[[], SpecStats] | None = None) -> None:
+        self.max_draft_len = max_draft_len
+        self.schedule = sorted(schedule.items()) if schedule else None
+        self.adaptive = adaptive
+        self.gate = gate
+        self.costs = costs  # None while adaptive: every step drafts the most (until the engine measures them)
+        empty = SpecStats()
+        self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
+
+    @property
+    def varies(self) -> bool:
+        """Whether steps may draft fewer than ``max_draft_len``."""
+        return self.schedule is not None or self.adaptive or self.gate is not None
+
+    def _cap(self, rows: int) -> int:
+        if self.gate is not None and self.gate.closed:
+            return 0
+        if self.schedule is None:
+            return self.max_draft_len
+        for bound, d in self.schedule:
+            if rows <= bound:
+                return min(d, self.max_draft_len)
+        return 0
+
+    def choose(self, requests: list) -> int:
+        """The D of a step whose rows are these requests' (each has ``spec_stats``)."""
+        d = self._cap(len(requests))
+        if self.adaptive and self.costs is not None and d > 0:
+            tokens = expected_tokens([r.spec_stats for r in requests], self.prior(), self.max_draft_len)
+            d = best_draft_len(tokens, self.costs.row(len(requests)), d)
+        return d
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.gate is not None:
+            self.gate.observe(drafted, accepted)
+
+
+def measure_step_costs(runner, pool, max_draft_len: int, buckets: list[int], context: int = 256,
+                       repeats: int = 5) -> StepCosts:
+    """Seconds of a speculative step of each (rows in ``buckets``, D = 0..max_draft_len), as the engine runs it
+    (staging, launch, device, copy back; graphs replayed where the engine would replay them; under the overlap
+    scheduler each step launched before the one before it is collected, so a step costs the larger of the host's
+    and the device's time, as it does there): synthetic requests of ``context`` tokens whose KV blocks come from
+    ``pool`` and go back, each step verifying D drafts and drafting D, the median of ``repeats`` after a warm-up
+    (which compiles kernels and captures graphs). The values computed are never read: only the time counts."""
+    from specserve.core.request import Request
+    from specserve.sampling_params import SamplingParams
+    from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+    rows = max(buckets)
+    sp = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
+    reqs = []
+    try:
+        for i in range(rows):
+            r = Request(f"cost-{i}", None, [1] * context, sp, context + max_draft_len + 2 + (1 << 20), ())
+            slots = context + 2 * max_draft_len + 1
+            if not pool.can_reserve(r.block_ids, slots):
+                break
+            pool.reserve(r.block_ids, slots)
+            r.num_computed_tokens = context - 1
+            reqs.append(r)
+        usable = [b for b in buckets if b <= len(reqs)]
+        if not usable:
+            raise ValueError("the KV cache holds no request to measure step costs with")
+        seconds = []
+        for b in usable:
+            per_d = []
+            for d in range(max_draft_len + 1):
+                for r in reqs[:b]:
+                    r.spec_token_ids = [1] * d
+                times, pending = [], None
+                for rep in range(repeats + 2):
+                    sched = [ScheduledRequest(r, context - 1, 1 + d, True, d, column=j) for j, r in enumerate(reqs[:b])]
+                    t0 = time.perf_counter()
+                    launched = runner.launch(SchedulerOutput(sched), draft_len=d)
+                    if runner.overlap:  # the step before is collected while this one runs
+                        pending, launched = launched, pending
+                    if launched is not None:
+                        runner.collect(launched)
+                    if rep >= 2:
+                        times.append(time.perf_counter() - t0)
+                if pending is not None:
+                    runner.collect(pending)
+                per_d.append(statistics.median(times))
+            seconds.append(per_d)
+        return StepCosts(usable, seconds)
+    finally:
+        for r in reqs:
+            pool.free(r.block_ids)
+            r.spec_token_ids = []
+
+
+def cost_buckets(max_rows: int) -> list[int]:
+    """Row counts whose step costs are measured: powers of two below ``max_rows``, then ``max_rows`` (each a
+    graph capture size too)."""
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    return out + [max_rows]
+
+
+def load_or_measure_costs(engine) -> StepCosts:
+    """The engine's step costs for ``adaptive_draft_len``: from its ``step_cost_file`` where that holds this
+    model, head, dtype, device and D, else measured now (and written there)."""
+    spec = engine.spec_config
+    dev = engine.device
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    key = "|".join(map(str, (engine.model_path, spec.draft_model, spec.method, engine.dtype, device_name,
+                             f"D={spec.max_draft_len}", f"rows={engine.config.scheduler_config.max_num_seqs}",
+                             f"graphs={engine.runner.graphs is not None}")))
+    if spec.step_cost_file is not None:
+        costs = StepCosts.load(spec.step_cost_file, key)
+        if costs is not None:
+            return costs
+    buckets = cost_buckets(engine.config.scheduler_config.max_num_seqs)
+    log.info("adaptive draft length: measuring step costs for %d batch sizes x %d draft lengths", len(buckets),
+             spec.max_draft_len + 1)
+    t0 = time.perf_counter()
+    costs = measure_step_costs(engine.runner, engine.pool, spec.max_draft_len, buckets)
+    log.info("step costs measured in %.1f s", time.perf_counter() - t0)
+    if spec.step_cost_file is not None:
+        costs.save(spec.step_cost_file, key)
+    return costs

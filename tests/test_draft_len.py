@@ -1,0 +1,282 @@
+"""The draft length chosen per step (``speculative/draft_len.py``): greedy output equals plain decoding while D
+changes between steps (0 included, every head kind, graph and packed layouts, the overlap scheduler, chunked
+prefill, preemption); seeded sampling keeps the target's distribution (chi-square); the schedule, the gate and the
+cost model's choice on synthetic costs and acceptance; step costs measured, saved and loaded."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from specserve import LLM, SamplingParams, SpeculativeConfig
+from specserve.core.metrics import SpecStats
+from specserve.speculative.draft_len import (AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
+                                             cost_buckets, expected_tokens)
+from accept_helpers import chi2_critical, chi2_homogeneity, make_small_vocab, sample_replies
+from test_overlap import OracleHead, _llm
+from tiny_models import PROMPTS, make_head, make_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_len")
+    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
+    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    make_head(root / "mtp1", root / "target", "mtp", num_modules=1, seed=2)
+    make_head(root / "mtp3", root / "target", "mtp", num_modules=3, seed=3)
+    return root
+
+
+# a schedule that never binds makes the draft length vary (each step's layout as wide as its drafts); the tests
+# then choose D at random per step
+VARIES = dict(draft_len_schedule={64: 3})
+SPECS = {
+    "eagle3-oracle": dict(method="eagle3", draft_model="eagle3", max_draft_len=3, **VARIES),
+    "mtp_eagle": dict(method="mtp", draft_model="mtp1", max_draft_len=3, **VARIES),
+    # module k reads the tokens k + 1 ahead: drafting 3 after verifying none reads past the step's columns
+    "mtp_vanilla": dict(method="mtp", draft_model="mtp3", max_draft_len=3, mtp_eagle=False, **VARIES),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32")
+    prompts = PROMPTS * 2
+    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    refs = {tuple(llm.tokenizer.encode(p)): llm.tokenizer.encode(p) + o for p, o in zip(prompts, outs)}
+    return prompts, outs, refs
+
+
+def _random_lengths(llm: LLM, seed: int) -> list[int]:
+    """Each step drafts a D in 0..max_draft_len: a cycle through every value with jumps both ways (0 to the
+    most, the most to 0), then random -> the choices, in order."""
+    rng, chosen = random.Random(seed), []
+    policy = llm.engine.draft_policy
+    d = policy.max_draft_len
+    first = [0, d, 1, d, 0, 0, d, d, 2 % (d + 1)]
+
+    def choose(requests):
+        chosen.append(first[len(chosen)] if len(chosen) < len(first) else rng.randint(0, d))
+        return chosen[-1]
+
+    policy.choose = choose
+    return chosen
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("kw", [{}, dict(max_num_batched_tokens=12), dict(block_size=4, num_kv_blocks=40)],
+                         ids=["plain", "chunked", "preempting"])
+def test_greedy_output_is_plain_while_the_draft_length_changes(dirs, reference, spec, overlap, kw):
+    prompts, ref, refs = reference
+    sc = dict(SPECS[spec], draft_model=str(dirs / SPECS[spec]["draft_model"]))
+    # graph layouts (run without capture on the CPU) with the overlap scheduler; packed steps without it
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, overlap_scheduler=overlap,
+              **kw)
+    if overlap:
+        from specserve.runner.cuda_graph import CudaGraphs
+
+        runner = llm.engine.runner
+        runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    if spec == "eagle3-oracle":  # drafts that are right twice, then wrong: acceptance that D cuts
+        head = OracleHead(refs, llm.engine.model_config.vocab_size, 2).bind(llm.engine.model)
+        llm.engine.runner.speculator.drafter.head = head
+    chosen = _random_lengths(llm, seed=len(spec) + overlap)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    stats = llm.engine.spec_stats
+    assert set(chosen) == {0, 1, 2, 3}
+    assert sum(stats.steps_by_draft_len) == sum(n for _, n in stats.draft_len_history) > 0
+    if spec == "eagle3-oracle":
+        # right twice (but where the reply ends within two drafts): the third is never accepted
+        assert stats.per_position[0] == 1.0 and stats.per_position[1] > 0.9 and stats.per_position[2] == 0.0
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+def test_the_overlap_scheduler_verifies_what_each_step_drafted(dirs, reference):
+    """Under the overlap scheduler a row is staged before the step it continues is collected: it verifies the
+    drafts that step proposed (its own D), which the host's rows, once rebased, agree with."""
+    from test_overlap import _assert_device_rows_match_host
+
+    prompts, ref, refs = reference
+    llm = _llm(dirs, "eagle3-d3", True)
+    head = OracleHead(refs, llm.engine.model_config.vocab_size, 3).bind(llm.engine.model)
+    llm.engine.runner.speculator.drafter.head = head
+    llm.engine.runner.speculator.policy.schedule = [(64, 3)]  # the draft length varies: layouts as wide as drafts
+    _random_lengths(llm, seed=3)
+    assert [o.token_ids for o in llm.generate(prompts[:5], GREEDY)] == ref[:5]
+    _assert_device_rows_match_host(llm)
+    assert llm.engine.runner.continued > 0
+
+
+def test_sampled_acceptance_keeps_the_distribution_while_the_draft_length_changes(tmp_path_factory):
+    """Tokens 2 and 3 of 3-token replies under plain sampling and speculation whose D is random per step: one
+    distribution (chi-square)."""
+    root = make_small_vocab(tmp_path_factory.mktemp("draft_len_sampled"))
+    n = 3000
+    plain, _ = sample_replies(root, None, n, [1, 2, 3], seed=500)
+    got, stats = sample_replies(root, dict(max_draft_len=2, draft_len_schedule={4096: 2}), n, [1, 2, 3], seed=500,
+                                setup=lambda llm: _random_lengths(llm, seed=9))
+    assert stats.num_accepted > 0.1 * n and len(stats.steps_by_draft_len) == 3  # enough accepted to bite
+    a = Counter(tuple(o.token_ids[1:3]) for o in plain)
+    b = Counter(tuple(o.token_ids[1:3]) for o in got)
+    stat, dof = chi2_homogeneity(a, b)
+    assert stat < chi2_critical(dof), (stat, dof)
+
+
+# -- the policies ------------------------------------------------------------------------------------------------
+
+class _Req:
+    def __init__(self, drafted, accepted):
+        self.spec_stats = SpecStats(drafted_per_pos=list(drafted), accepted_per_pos=list(accepted))
+
+
+def test_the_schedule_follows_tensorrt_llm():
+    """{4: 4, 8: 2, 32: 1}: 1-4 rows draft 4, 5-8 two, 9-32 one, more none."""
+    p = DraftLenPolicy(4, schedule={4: 4, 8: 2, 32: 1})
+    assert [p.choose([_Req([], [])] * b) for b in (1, 4, 5, 8, 9, 32, 33, 100)] == [4, 4, 2, 2, 1, 1, 0, 0]
+    # a schedule longer than max_draft_len is capped
+    assert DraftLenPolicy(2, schedule={4: 4}).choose([_Req([], [])]) == 2
+
+
+def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
+    gate = AcceptanceGate(window=3, threshold=0.5)
+    p = DraftLenPolicy(3, gate=gate)
+    for drafted, accepted in ((3, 3), (3, 0), (0, 0), (3, 2)):  # 5 of 9 over the window: open
+        p.observe(drafted, accepted)
+    assert not gate.closed and p.choose([_Req([], [])]) == 3
+    p.observe(3, 0)  # (3, 0), (3, 2), (3, 0): 2 of 9
+    assert gate.closed and p.choose([_Req([], [])]) == 0
+    for _ in range(5):
+        p.observe(3, 3)  # a closed gate draws nothing, so nothing reopens it
+    assert p.choose([_Req([], [])]) == 0
+
+
+def test_expected_tokens_blend_own_acceptance_with_the_engines():
+    prior = SpecStats(drafted_per_pos=[10, 10], accepted_per_pos=[8, 4])  # 0.8, 0.4, then 0.4 for position 3
+    new = _Req([], [])  # nothing verified yet: the engine's rates
+    assert expected_tokens([new.spec_stats], prior, 3) == pytest.approx([1, 1.8, 2.2, 2.6])
+    # a request whose own drafts are never accepted, after 36 steps, outweighs the prior (weight 4)
+    bad = _Req([36, 36, 36], [0, 0, 0])
+    e = expected_tokens([bad.spec_stats], prior, 3)
+    assert e[1] == pytest.approx(1 + 4 * 0.8 / 40) and e[3] < 1.2
+    # rates never rise with depth; the batch sums its rows
+    odd = _Req([10, 10], [2, 9])
+    r = np.diff(expected_tokens([odd.spec_stats], prior, 2))
+    assert r[1] <= r[0]
+    assert expected_tokens([new.spec_stats, bad.spec_stats], prior, 3) == pytest.approx(
+        expected_tokens([new.spec_stats], prior, 3) + e)
+
+
+def test_the_choice_maximises_tokens_per_second():
+    tokens = np.array([1.0, 1.8, 2.3, 2.6, 2.8])
+    cheap = [1.0, 1.05, 1.1, 1.15, 1.2]  # batch 1: verifying is nearly free, so the longest wins
+    assert best_draft_len(tokens, cheap, 4) == 4
+    dear = [1.0, 1.9, 2.8, 3.7, 4.6]  # every draft costs almost a step: none
+    assert best_draft_len(tokens, dear, 4) == 0
+    mid = [1.0, 1.2, 1.5, 2.0, 2.6]  # 1.5, 1.53, 1.3, 1.08 tokens per unit
+    assert best_draft_len(tokens, mid, 4) == 2
+    assert best_draft_len(tokens, cheap, 1) == 1  # the schedule's or gate's cap holds
+    costs = StepCosts([1, 4, 16], [cheap, mid, dear])
+    assert costs.row(1) == cheap and costs.row(3) == mid and costs.row(16) == dear
+    assert costs.row(32) == pytest.approx([2 * t for t in dear])  # past the largest: grows with the rows
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[100] * 4, accepted_per_pos=[80, 62, 48, 40]))
+    assert [p.choose([_Req([], [])] * b) for b in (1, 3, 10)] == [4, 2, 0]
+
+
+def test_step_costs_are_checked_saved_and_loaded(tmp_path):
+    f = tmp_path / "costs.json"
+    a = StepCosts([1, 2], [[1.0, 2.0], [1.5, 2.5]])
+    a.save(f, "model-a")
+    StepCosts([1], [[3.0, 4.0]]).save(f, "model-b")
+    assert StepCosts.load(f, "model-a") == a and StepCosts.load(f, "model-b").seconds == [[3.0, 4.0]]
+    assert StepCosts.load(f, "other") is None and StepCosts.load(tmp_path / "none.json", "model-a") is None
+    f.write_text(json.dumps({"model-a": {"buckets": [1]}}))
+    with pytest.raises(ValueError, match="not one written by specserve"):
+        StepCosts.load(f, "model-a")
+    for buckets, seconds in (([2, 1], [[1.0], [1.0]]), ([1], [[1.0], [2.0]]), ([1, 2], [[1.0], [1.0, 2.0]]),
+                             ([1], [[0.0]])):
+        with pytest.raises(ValueError, match="step costs"):
+            StepCosts(buckets, seconds)
+    assert cost_buckets(1) == [1] and cost_buckets(6) == [1, 2, 4, 6] and cost_buckets(8) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_adaptive_engine_measures_saves_and_reloads_its_costs(dirs, reference, tmp_path, monkeypatch, overlap):
+    """An adaptive engine measures a step of each (batch bucket, D) at start (under the overlap scheduler each
+    step launched before the one before is collected) and writes them to its cost file; the next engine reads
+    them instead of measuring; outputs stay plain greedy's and the blocks the measurement took go back to the
+    pool."""
+    import specserve.speculative.draft_len as draft_len
+
+    prompts, ref, refs = reference
+    f = tmp_path / "costs.json"
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True,
+              step_cost_file=str(f))
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=4,
+              overlap_scheduler=overlap)
+    costs = llm.engine.draft_policy.costs
+    assert costs.buckets == [1, 2, 4] and costs.max_draft_len == 3
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    saved = json.loads(f.read_text())
+    assert len(saved) == 1 and next(iter(saved.values()))["buckets"] == [1, 2, 4]
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(draft_len, "measure_step_costs", no_measuring)
+    again = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=4)
+    assert again.engine.draft_policy.costs == costs
+
+
+def test_a_head_that_never_accepts_stops_drafting(dirs, reference):
+    """With costs where drafting pays only if drafts are accepted, a head that never is right is soon given D = 0
+    (its requests' own counts outweigh the prior); an oracle head keeps the longest D."""
+    prompts, ref, refs = reference
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
+    for right, expect in ((0, 0), (3, 3)):
+        llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
+        llm.engine.draft_policy.costs = StepCosts([8], [[1.0, 1.3, 1.6, 1.9]])
+        head = OracleHead(refs, llm.engine.model_config.vocab_size, right).bind(llm.engine.model)
+        llm.engine.runner.speculator.drafter.head = head
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        last = llm.engine.spec_stats.draft_len_history[-1]
+        assert last[0] == expect, llm.engine.spec_stats.draft_len_history
+
+
+def test_draft_length_settings_are_checked():
+    ok = SpeculativeConfig(draft_model="random", max_draft_len=4, draft_len_schedule={"4": 4, "8": 2})
+    assert ok.draft_len_schedule == {4: 4, 8: 2} and ok.varies_draft_len
+    assert not SpeculativeConfig(draft_model="random").varies_draft_len
+    for bad, match in ((dict(draft_len_schedule={4: 5}), "draft lengths"), (dict(draft_len_schedule={}), "non-empty"),
+                       (dict(draft_len_schedule={"x": 1}), "integer"), (dict(draft_len_schedule={0: 1}), ">= 1"),
+                       (dict(acceptance_rate_window_size=8), "both"),
+                       (dict(acceptance_rate_window_size=0, acceptance_rate_threshold=0.5), ">= 1"),
+                       (dict(acceptance_rate_window_size=8, acceptance_rate_threshold=1.5), r"\[0, 1\]"),
+                       (dict(step_cost_file="c.json"), "adaptive_draft_len=True"),
+                       (dict(topk=2, adaptive_draft_len=True), "chains")):
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig(draft_model="random", max_draft_len=4, **bad)
+
+
+def test_cli_flags_reach_the_speculative_config(dirs):
+    from specserve.cli import build_parser, engine_args
+
+    a = build_parser().parse_args(["generate", "x", "--model", str(dirs / "target"), "--draft", str(dirs / "eagle3"),
+                                   "--draft-len-schedule", "4:4,8:2,32:1", "--acceptance-rate-window-size", "16",
+                                   "--acceptance-rate-threshold", "0.3", "--adaptive-draft-len",
+                                   "--step-cost-file", "c.json"])
+    spec = SpeculativeConfig.from_value(engine_args(a).speculative_config)
+    assert (spec.draft_len_schedule, spec.acceptance_rate_window_size, spec.acceptance_rate_threshold,
+            spec.adaptive_draft_len, spec.step_cost_file) == ({4: 4, 8: 2, 32: 1}, 16, 0.3, True, "c.json")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--draft-len-schedule", "4-4"])
+    with pytest.raises(ValueError, match="--adaptive-draft-len set but speculation is off"):
+        engine_args(build_parser().parse_args(["generate", "x", "--no-spec", "--adaptive-draft-len"]))
