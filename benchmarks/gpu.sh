@@ -31,7 +31,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
                total: 2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48), plain decoding beside them; 580 s
   prefix       TTFT of random prompts of 512, 2048 and 8192 tokens at batch 1, speculation off and on; then 16
-               requests over one 1,536-token document (+ 512 own tokens) with prefix caching on and off; 400 s
+               requests over one 1,536-token document (+ 512 own tokens), and 8 four-turn conversations (512-token
+               first prompts, 64 new tokens a turn), with prefix caching on and off; 500 s
   overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
                ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
                per step with; 420 s
@@ -209,7 +210,10 @@ for st in "$@"; do
             done
             bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --shared-prefix-len 1536 \
               --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 16 --repeats 2 \
-              --out $OUT/shared-prefix | tail -14 ;;
+              --out $OUT/shared-prefix | tail -14
+            bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --turns 4 --turn-len 64 \
+              --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 8 --repeats 2 \
+              --out $OUT/multi-turn | tail -14 ;;
     overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
                --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" \
                --steps 1 --out $OUT/overlap | tail -40 ;;

@@ -354,6 +354,10 @@ def _bench_parser(sub) -> None:
     b.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
                    help="put one common prefix of N random tokens before every prompt (many requests over one "
                         "document)")
+    b.add_argument("--turns", type=int, default=1, metavar="N",
+                   help="multi-turn conversations: each prompt starts one, and each of its N - 1 later turns sends the "
+                        "whole history (the prompt, every reply, --turn-len new user tokens each turn) as a new request")
+    b.add_argument("--turn-len", type=int, default=32, metavar="N", help="new user tokens of each later turn")
     b.add_argument("--overlap", default="on", choices=["on", "off", "both"],
                    help="the overlap scheduler (on CUDA with graphs); both: each engine with it, then without, "
                         "with the gain at each batch size")
@@ -378,6 +382,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           async_output=False if a.disable_async_output_proc else None, overlap=a.overlap,
                           trees=a.trees, fixed_draft_lens=a.fixed_draft_lens, adaptive=a.adaptive_draft_len,
                           prefix_caching=a.prefix_caching, shared_prefix_len=a.shared_prefix_len,
+                          turns=a.turns, turn_len=a.turn_len,
                           kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:

@@ -113,6 +113,24 @@ def test_bench_shared_prefix_with_prefix_caching_on_and_off(dirs):
         BenchConfig(prefix_caching="maybe")
 
 
+def test_bench_multi_turn_conversations_reuse_their_history(dirs):
+    """Three turns of four conversations: each later turn resends the history (prompt, replies, new user tokens),
+    which prefix caching finds; outputs are the same with it off."""
+    cfg = dict(model=str(dirs / "target"), speculative="off", prefix_caching="both", random_input_len=20,
+               num_prompts=4, max_tokens=9, repeats=1, device="cpu", dtype="float32", batch_sizes=[2], turns=3,
+               turn_len=5)
+    res = run_bench(BenchConfig(**cfg))
+    rows = {r["prefix_caching"]: r for r in res["rows"]}
+    assert rows[True]["requests"] == 12 and rows[True]["turns"] == 3
+    assert rows[True]["first_tokens"] == rows[False]["first_tokens"]
+    # blocks of 16, a block looked up only if a token is left after it: turn 1 looks up 1 block of 20 tokens and
+    # finds none; turn 2 resends 20 + 9 + 5 = 34 tokens, looks up 2, finds the 1 full block turn 1 computed (28
+    # tokens); turn 3 resends 48, looks up 2 and finds both (turn 2 computed 42): 12 of 20 lookups over 4 chats
+    assert rows[True]["prefix_hit_rate"] == pytest.approx(12 / 20)
+    with pytest.raises(ValueError, match="--turns"):
+        BenchConfig(turns=0)
+
+
 def test_two_rounds_report_the_mean_of_their_ratios():
     """Of an even number of rounds the ratio is the mean of the middle two, not the better one; each row stays
     a real round (the faster middle one)."""

@@ -38,6 +38,8 @@ class BenchConfig:
     prompts: list[str] = field(default_factory=list)  # prompt files (JSONL/JSON shapes of train.prompts)
     random_input_len: int | None = None  # random token-id prompts of this length instead of files
     shared_prefix_len: int = 0  # a common prefix of this many random tokens before every prompt (one document)
+    turns: int = 1  # multi-turn conversations: each prompt is followed by this many turns in all
+    turn_len: int = 32  # the user's tokens of each turn after the first (random ids)
     num_prompts: int = 64
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     max_tokens: int = 256
@@ -72,6 +74,8 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be on, off or both, got {getattr(self, name)!r}")
         if not isinstance(self.shared_prefix_len, int) or self.shared_prefix_len < 0:
             raise ValueError(f"--shared-prefix-len must be >= 0, got {self.shared_prefix_len!r}")
+        if self.turns < 1 or self.turn_len < 1:
+            raise ValueError(f"--turns and --turn-len must be >= 1, got {self.turns} and {self.turn_len}")
         for t in self.trees:
             tree_shape(t)
         if any(not 1 <= d <= 16 for d in self.fixed_draft_lens):
@@ -209,7 +213,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             _sync(dev)
             t0 = time.perf_counter()
             bar.set_postfix_str(f"batch {b}" + (f" run {r}/{cfg.repeats}" if r else " warm-up"))
-            outs = llm.generate(batch, sp, use_tqdm=False)
+            outs = _conversations(llm, batch, sp, cfg)
             _sync(dev)
             dt = time.perf_counter() - t0
             bar.update()
@@ -226,7 +230,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
         tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
         n_tok = sum(len(o.token_ids) for o in outs)
         row = dict(engine="specserve", speculative=kind, overlap=eng.overlap, prefix_caching=caching,
-                   prefix_hit_rate=med["hit_rate"], batch=b, requests=len(batch),
+                   prefix_hit_rate=med["hit_rate"], batch=b, requests=len(outs), turns=cfg.turns,
                    new_tokens=round(n_tok / len(outs), 1),
                    seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
                    steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
@@ -249,6 +253,24 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _conversations(llm, batch: list[dict], sp, cfg: BenchConfig) -> list:
+    """Generate for ``batch``; with ``turns`` > 1 each request is the first turn of a conversation: every later turn's
+    prompt is the whole history (the prompt before, its reply, ``turn_len`` new random user tokens), all
+    conversations' turn k submitted together once turn k - 1 is done -> the outputs of every turn."""
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    if cfg.turns == 1:
+        return outs
+    g = torch.Generator().manual_seed(cfg.seed + 2)
+    vocab = llm.engine.model_config.vocab_size
+    every = list(outs)
+    for _ in range(cfg.turns - 1):
+        batch = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.token_ids)
+                  + torch.randint(10, vocab, (cfg.turn_len,), generator=g).tolist()} for o in outs]
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        every += outs
+    return every
 
 
 def _progress(desc: str, total: int):
