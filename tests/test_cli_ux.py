@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -40,8 +41,9 @@ def test_help_shows_defaults():
     gen = _help("generate")
     for flag, default in (("--max-tokens", "256"), ("--draft-len", "4"), ("--temperature", "0.0"),
                           ("--max-num-seqs", "64"), ("--block-size", "16"), ("--cpu-threads", "1")):
-        after = gen.split(flag, 2)[-1].split(" --")[0]  # the flag's help entry
-        assert f"(default: {default}" in after, (flag, after)
+        # the flag's help entry: the flag and its metavar outside the usage's brackets, to the next option
+        entry = re.findall(rf"{re.escape(flag)} [A-Z_]+(?!\]).*?(?= --|$)", gen)[-1]
+        assert f"(default: {default}" in entry, (flag, entry)
     assert "default: 8000" in _help("serve") and "(default: None)" not in gen
     assert "/reset" in _help("chat") and "--max-tokens" in _help("chat") and "--draft" in _help("chat")
 
