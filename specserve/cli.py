@@ -61,6 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "graphs: the next step is prepared and launched while the device runs the current one)")
     g.add_argument("--attention-backend", default=e.attention_backend, choices=list(ATTENTION_BACKENDS),
                    help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=e.tensor_parallel_size, metavar="N",
+                   help="split the model's attention heads and MLP features over N ranks, one process each (N GPUs; "
+                        "gloo processes on the CPU)")
     g.add_argument("--cpu-threads", type=int, default=e.cpu_threads, metavar="N",
                    help=f"torch intra-op threads on the CPU (default: {default_cpu_threads()}, measured in "
                         "docs/BENCHMARKS.md: more threads decoded slower on a small, busy machine)")
@@ -166,7 +169,8 @@ def engine_args(a: argparse.Namespace):
                       enable_prefix_caching=a.enable_prefix_caching,
                       speculative_config=spec, enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
                       async_output=False if a.disable_async_output_proc else None,
-                      overlap_scheduler=False if a.disable_overlap_scheduler else None, cpu_threads=a.cpu_threads)
+                      overlap_scheduler=False if a.disable_overlap_scheduler else None, cpu_threads=a.cpu_threads,
+                      tensor_parallel_size=a.tensor_parallel_size)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -410,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     a.command_line = shlex.join(["specserve", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if a.command in ("generate", "chat", "serve"):
+        from specserve.distributed import from_torchrun
+
+        rank = from_torchrun()
+        if rank is not None and rank.rank != 0:  # under torchrun: rank 0 runs the command, the others its steps
+            return _serve_rank(a)
     if a.command in ("generate", "chat"):
         from specserve.terminal import cmd_chat, cmd_generate
 
@@ -421,6 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "bench":
         return cmd_bench(a)
     return 2
+
+
+def _serve_rank(a: argparse.Namespace) -> int:
+    """A tensor-parallel rank other than 0 started by torchrun: the engine over its shard, running rank 0's steps."""
+    from specserve import LLMEngine
+    from specserve.distributed import serve_rank
+
+    if getattr(a, "model_tag", None) is not None:
+        a.model = a.model_tag
+    serve_rank(LLMEngine(engine_args(a)))
+    return 0
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -296,6 +296,8 @@ class EngineArgs:
     overlap_scheduler: bool | None = None
     # torch intra-op threads on the CPU (process-wide); None: ``default_cpu_threads()``, measured in BENCHMARKS.md
     cpu_threads: int | None = None
+    # ranks the model's attention heads and MLP features are split over, one process each (``distributed.py``)
+    tensor_parallel_size: int = 1
 
     def create_engine_config(self) -> "EngineConfig":
         """Validate every setting that does not need the model's weights (a bad value fails here, before a
@@ -310,6 +312,10 @@ class EngineArgs:
             raise ValueError("speculative decoding needs a draft_model folder (--draft PATH)")
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; "
+                             f"{torch.cuda.device_count()} are visible")
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=self.max_model_len,
                                 num_lookahead_slots=spec.lookahead_slots if spec is not None else 0,
@@ -328,7 +334,8 @@ class EngineArgs:
                             max_cuda_graph_batch_size=self.max_cuda_graph_batch_size,
                             overlap_scheduler=(device.type == "cuda" and self.max_cuda_graph_batch_size > 0
                                                if self.overlap_scheduler is None else self.overlap_scheduler),
-                            cpu_threads=(self.cpu_threads or default_cpu_threads()) if device.type == "cpu" else None)
+                            cpu_threads=(self.cpu_threads or default_cpu_threads()) if device.type == "cpu" else None,
+                            tensor_parallel_size=self.tensor_parallel_size)
 
 
 def default_cpu_threads() -> int | None:
@@ -362,6 +369,7 @@ class EngineConfig:
     model_config: ModelConfig | None = None  # set by ``with_model``
     num_kv_blocks: int | None = None  # KV pool size in blocks (block 0 is padding), set by ``with_model``
     cpu_threads: int | None = None  # resolved torch intra-op threads (CPU engines; None on CUDA)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
+import random
 
 import torch
 
@@ -12,6 +14,8 @@ from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_n
 from specserve.config import EngineArgs, EngineConfig, cdiv
 from specserve.core.metrics import SpecStats
 from specserve.core.request import CompletionOutput, Family, Logprob, Request, RequestOutput
+from specserve.distributed import (Commands, TensorParallel, broadcast_object, free_port, from_torchrun,
+                                   init_group, rank_device, start_workers)
 from specserve.loaders import is_random_ref, load_model, resolve_model_path
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import parse_logprobs
@@ -29,9 +33,15 @@ log = logging.getLogger("specserve")
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | EngineConfig) -> None:
+    def __init__(self, args: EngineArgs | EngineConfig, tp: TensorParallel | None = None,
+                 address: str | None = None) -> None:
+        """``tp`` and ``address``: given to the ranks other than 0 that rank 0 starts (``distributed.py``)."""
         # everything below reads the validated config only
         config = args.create_engine_config() if isinstance(args, EngineArgs) else args
+        self.tp, self.commands = self._join_ranks(args, config, tp, address)
+        if self.commands is not None:
+            atexit.register(self.shutdown)
+        config = dataclasses.replace(config, device=rank_device(config.device, self.tp))
         self.spec_config = config.speculative_config
         # the files named exist (a typo fails now, not after the target's weights have loaded)
         if not is_random_ref(config.model):
@@ -42,17 +52,23 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_threads)
         self.device, self.dtype = config.device, config.dtype
         self.cache_config = config.cache_config
-        loaded = load_model(config.model, self.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, self.tp)
         self.model, self.tokenizer, self.model_config = loaded.model, loaded.tokenizer, loaded.config
         self.model_path = loaded.path
         cfg = self.model_config
         self.head = None
         if self.spec_config is not None:
             self.head = load_draft_head(self.spec_config, self.model, self.device, self.dtype)
-        # one KV tensor: target layers, then the head's layers
+        # one KV tensor: target layers, then the head's layers; under tensor parallelism the target's hold this
+        # rank's KV heads and the replicated head's layers all of them, in a tensor of their own
         block_size = self.cache_config.block_size
-        kv_layers = cfg.num_hidden_layers + (self.head.num_kv_layers if self.head is not None else 0)
-        per_block = bytes_per_block(kv_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        head_layers = self.head.num_kv_layers if self.head is not None else 0
+        own_head_kv = self.tp.active and head_layers > 0
+        kv_layers = cfg.num_hidden_layers + (0 if own_head_kv else head_layers)
+        kv_heads = self.tp.shard(cfg.num_key_value_heads, "KV heads")[1]
+        per_block = bytes_per_block(kv_layers, block_size, kv_heads, cfg.head_dim, self.dtype)
+        if own_head_kv:
+            per_block += bytes_per_block(head_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         # the head shares tensors with the target (RoPE tables, where bound, the embedding): count each once
         weights = {id(t): t for m in (self.model, self.head) if m is not None for t in (*m.parameters(), *m.buffers())}
         max_len = config.scheduler_config.max_model_len or cfg.max_position_embeddings
@@ -60,9 +76,11 @@ class LLMEngine:
                                      sum(t.numel() * t.element_size() for t in weights.values()),
                                      seq_blocks=cdiv(max_len + config.kv_slots_past_len, block_size),
                                      max_num_seqs=config.scheduler_config.max_num_seqs)
+        num_blocks = self.tp.smallest(num_blocks)  # every rank schedules the same blocks
         self.config = config = config.with_model(cfg, num_blocks)  # fixes max_model_len
-        self.kv_cache = KVCache(kv_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                                cfg.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(kv_layers, num_blocks, block_size, kv_heads, cfg.head_dim, self.dtype, self.device)
+        head_cache = KVCache(head_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+                             self.device) if own_head_kv else self.kv_cache
         self.pool = BlockPool(num_blocks, block_size, caching=self.cache_config.enable_prefix_caching)
         self.max_model_len = config.max_model_len
         # a head's KV at a position reads the tokens after it: part of a cached block's key
@@ -76,7 +94,7 @@ class LLMEngine:
                              overlap=config.overlap_scheduler, max_num_seqs=config.scheduler_config.max_num_seqs)
         speculator = None
         if self.head is not None:  # the head's KV layers follow the target's in the one KV tensor
-            head_kv = self.kv_cache.layer_views()[cfg.num_hidden_layers:kv_layers]
+            head_kv = head_cache.layer_views()[-head_layers:]
             if self.spec_config.tree:  # the accepted path's target KV moves into place
                 target_kv = self.kv_cache.tensor[:cfg.num_hidden_layers]
                 speculator = TreeSpeculator(self.model, self.head, head_kv, target_kv, self.spec_config,
@@ -94,12 +112,46 @@ class LLMEngine:
         self.draft_policy = speculator.policy if speculator is not None else None
         if self.draft_policy is not None:
             self.draft_policy.prior = lambda: self.spec_stats
-            if self.spec_config.adaptive_draft_len:
-                self.draft_policy.costs = load_or_measure_costs(self)
+            if self.spec_config.adaptive_draft_len:  # rank 0's measurement: every rank chooses alike
+                self.draft_policy.costs = broadcast_object(self.tp, load_or_measure_costs(self))
         self.num_steps = 0  # model steps run (benchmarks)
         self.requests: dict[str, Request] = {}
         self.families: dict[str, Family] = {}  # n > 1: the user's request id -> its completions
         self._ids = itertools.count()
+
+    @staticmethod
+    def _join_ranks(args, config: EngineConfig, tp: TensorParallel | None,
+                    address: str | None) -> tuple[TensorParallel, Commands | None]:
+        """Tensor parallelism: this process's rank, joined to the others (rank 0 starts them unless ``torchrun``
+        did) -> (its rank, and on rank 0 the commands it sends the others before each step)."""
+        size = config.tensor_parallel_size
+        if tp is None:
+            tp = from_torchrun() or TensorParallel(0, size)
+            if address is None and from_torchrun() is not None:
+                address = "env://"
+        if tp.size != size:
+            raise ValueError(f"tensor_parallel_size={size}, but this process is one of {tp.size} ranks")
+        if not tp.active:
+            return tp, None
+        workers = []
+        if address is None:  # rank 0 starts the others on this machine
+            address = f"tcp://127.0.0.1:{free_port()}"
+            workers = start_workers(args, size, address)
+        init_group(tp, rank_device(config.device, tp), address)
+        return tp, Commands(workers) if tp.rank == 0 else None
+
+    def shutdown(self) -> None:
+        """Tensor parallelism: stop the other ranks (rank 0; the engine is unusable after)."""
+        if self.commands is not None:
+            commands, self.commands = self.commands, None
+            clean = all(p.is_alive() for p in commands.workers)
+            if clean:
+                commands.broadcast(final=True)
+            for p in commands.workers:  # after a rank died the others wait for a command: they are ended
+                p.join(timeout=60 if clean else 5)
+                if p.is_alive():
+                    p.terminate()
+            torch.distributed.destroy_process_group()
 
     def _thinking_tokens(self) -> tuple[int, int]:
         """Ids of the begin/end thinking-phase tokens (-1 when not configured)."""
@@ -153,6 +205,10 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         max_total = self.max_model_len if params.max_tokens is None else min(self.max_model_len,
                                                                             len(ids) + params.max_tokens)
+        if self.commands is not None:  # every rank adds it, with the seed chosen here
+            if params.seed is None:
+                params = dataclasses.replace(params, seed=random.getrandbits(31))
+            self.commands.add("add", ids, params, rid)
         if params.n == 1:
             req = self._new_request(rid, text, ids, params, max_total)
             self.scheduler.add(req)
@@ -180,6 +236,8 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> None:
+        if self.commands is not None:
+            self.commands.add("abort", request_id)
         family = self.families.pop(request_id, None)
         for rid in [m.request_id for m in family.members[::-1]] if family is not None else [request_id]:
             req = self.requests.pop(rid, None)
@@ -213,6 +271,17 @@ class LLMEngine:
         if self._error is not None:  # the launch after the last collected step failed
             err, self._error = self._error, None
             raise err
+        if self.commands is not None:  # the other ranks take the same requests and run the same step
+            try:
+                self.commands.broadcast()
+                return self._step()
+            except Exception as e:  # a collective with a rank that died: say which
+                self.commands.check()
+                raise e
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        """``step``'s work, on every rank alike."""
         pending, self._in_flight = self._in_flight, None
         done = []
         if pending is not None and not (self.overlap and self.runner.can_overlap(len(self.scheduler.running))):

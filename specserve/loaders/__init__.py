@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import ModelConfig
+from specserve.distributed import SINGLE, TensorParallel
 from specserve.loaders.gguf_loader import GGUFFile
 from specserve.loaders.hf import iter_safetensors, load_hf_config
 from specserve.loaders.random_model import init_random_, is_random_ref, random_config, word_tokenizer
@@ -81,10 +82,11 @@ class LoadedModel:
     path: Path
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Build the target model on ``device`` in ``dtype`` and its tokenizer."""
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallel = SINGLE) -> LoadedModel:
+    """Build the target model on ``device`` in ``dtype`` (``tp``: this rank's shard) and its tokenizer."""
     if is_random_ref(model):
-        return _load_random(model, dtype, device)
+        return _load_random(model, dtype, device, tp)
     path = resolve_model_path(model)
     if path.is_file():
         gg = GGUFFile(path)
@@ -94,7 +96,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
         cfg = load_hf_config(path)
         weights, source = iter_safetensors(path), str(path)
         tokenizer = Tokenizer.from_folder(path)
-    model = _empty_model(cfg, device)
+    model = _empty_model(cfg, device, tp=tp)
     model.load_weights(weights, source=source)
     model = _finish(model, dtype)
     if cfg.eos_token_ids == () and tokenizer.eos_token_id is not None:
@@ -102,9 +104,10 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype, device: torc
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, path=path)
 
 
-def _empty_model(cfg: ModelConfig, device, dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+def _empty_model(cfg: ModelConfig, device, dtype: torch.dtype | None = None,
+                 tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     model = model.to_empty(device=device) if dtype is None else model.to(dtype=dtype).to_empty(device=device)
     # Buffers (RoPE tables) were created on meta: rebuild them on the real device.
     rope = type(model.rope)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -120,9 +123,11 @@ def _finish(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
     return model.requires_grad_(False)
 
 
-def _load_random(model: str, dtype: torch.dtype, device) -> LoadedModel:
+def _load_random(model: str, dtype: torch.dtype, device, tp: TensorParallel = SINGLE) -> LoadedModel:
     cfg = random_config(model)
-    m = _empty_model(cfg, device, dtype)  # allocated in the target dtype: 8B shapes are 16 GB in bf16
+    # allocated in the target dtype (8B shapes are 16 GB in bf16); under tensor parallelism each rank draws its
+    # shard from the same seed (a different random model than one rank's, the same on every rank where replicated)
+    m = _empty_model(cfg, device, dtype, tp)
     init_random_(m)
     tok = Tokenizer(word_tokenizer(cfg.vocab_size, cfg.eos_token_ids[0]))
     return LoadedModel(model=_finish(m, dtype), tokenizer=tok, config=cfg, path=Path(model))

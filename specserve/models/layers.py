@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from specserve.config import RopeScaling
+from specserve.distributed import SINGLE, TensorParallel
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import (ADD_NORM, NORM, SILU_MUL, SILU_MUL_RSTD, fused_argmax, fused_linear, gemv_enabled,
@@ -121,8 +122,12 @@ class RotaryEmbedding(nn.Module):
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        # tensor parallelism: this rank's intermediate features; the down projection's partial sums are added
+        # across ranks (its bias held by rank 0 alone)
+        self.tp = tp
+        intermediate = tp.shard(intermediate, "MLP intermediate features")[1]
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
@@ -132,6 +137,9 @@ class SwiGLU(nn.Module):
         result plus ``residual``: the down projection adds it in place (one GEMM instead of a GEMM and an add)
         when nothing records gradients and there is no bias."""
         act = silu_and_mul(self.gate_up_proj(x))  # [..., I]
+        if self.tp.active:  # the residual once, after the ranks' sum
+            out = self.tp.all_reduce(self.down_proj(act))
+            return out if residual is None else out + residual
         if residual is None:
             return self.down_proj(act)
         if torch.is_grad_enabled() or self.down_proj.bias is not None or not residual.is_contiguous():
@@ -141,8 +149,9 @@ class SwiGLU(nn.Module):
             residual.shape)
 
     def few_row_path(self, x: torch.Tensor) -> bool:
-        """Whether a step with input x [T, H] runs this MLP (and its layer) on the few-row kernels."""
-        return gemv_enabled(x, max(self.gate_up_proj.in_features, self.intermediate))
+        """Whether a step with input x [T, H] runs this MLP (and its layer) on the few-row kernels (not under
+        tensor parallelism: their fused residual adds and norm folds need the ranks' sums in between)."""
+        return not self.tp.active and gemv_enabled(x, max(self.gate_up_proj.in_features, self.intermediate))
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
         """x, residual [T, H] -> (self(norm(x + residual)), x + residual): four kernels, or two on the

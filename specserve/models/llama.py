@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed import SINGLE, TensorParallel
 from specserve.kernels.rope import rope_and_cache
 from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.attention import AttnPartials
@@ -24,9 +25,14 @@ from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, in_features: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, in_features: int | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # tensor parallelism: this rank's q and KV heads; the o projection's partial sums are added across ranks
+        self.tp = tp
+        self.hq = tp.shard(cfg.num_attention_heads, "attention heads")[1]
+        self.hkv = tp.shard(cfg.num_key_value_heads, "KV heads")[1]
+        self.d = cfg.head_dim
         in_features = in_features or cfg.hidden_size  # EAGLE-3's layer attends over [embed, hidden] (2H)
         self.qkv_proj = nn.Linear(in_features, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
@@ -115,7 +121,8 @@ class Attention(nn.Module):
         """Rotated q [T, Hq, D] -> attention over the paged cache, then the o projection [T, H] (``_o_proj``);
         with ``q_rows`` [N], for the queries q[q_rows] only -> [N, H]."""
         t = q.shape[0] if q_rows is None else q_rows.shape[0]
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD, q_rows=q_rows,
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, defer_merge=MERGE_FOLD and not self.tp.active,
+                              q_rows=q_rows,
                               split_short=merges_splits(q, self.o_proj.weight, t))  # [T or N, Hq, D]
         if isinstance(out, AttnPartials):  # split keys: the o projection's kernel merges them, else the merge kernel
             folded = () if fold is None else (stream, fold.weight)
@@ -130,16 +137,16 @@ class Attention(nn.Module):
         (o + stream, (o + stream) * fold.weight)."""
         if fold is not None:
             return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
-        return linear(self.o_proj, out)
+        return self.tp.all_reduce(linear(self.o_proj, out))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg, rope, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
 
     def forward(self, x, residual, positions, meta, k_cache, v_cache, rows=None):
         """Returns (layer output before the residual add, residual); their sum is the stream. ``rows``: as
@@ -185,14 +192,16 @@ def _row_count_view(x: torch.Tensor, rows) -> torch.Tensor:
 
 class LlamaForCausalLM(nn.Module):
     """The target model. ``forward`` returns final (normed) hidden states and, when asked, the
-    residual-stream outputs of chosen layers (EAGLE-3 auxiliary hidden states)."""
+    residual-stream outputs of chosen layers (EAGLE-3 auxiliary hidden states). With ``tp`` (tensor
+    parallelism) this rank's shard: its attention heads and MLP features, the rest replicated."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = rope
@@ -276,10 +285,11 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         expected = self._expected_names()
         seen: set[str] = set()
-        hd = cfg.head_dim
-        split_sizes = {
-            "qkv_proj": [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd],
-            "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+        hd, n = cfg.head_dim, self.tp.size
+        split_sizes = {  # this rank's
+            "qkv_proj": [cfg.num_attention_heads * hd // n, cfg.num_key_value_heads * hd // n,
+                         cfg.num_key_value_heads * hd // n],
+            "gate_up_proj": [cfg.intermediate_size // n, cfg.intermediate_size // n],
         }
         for name, tensor in weights:
             if name not in expected:
@@ -287,6 +297,8 @@ class LlamaForCausalLM(nn.Module):
             seen.add(name)
             local = name[len("model."):] if name.startswith("model.") else name
             m = re.match(r"(layers\.\d+\.(?:self_attn|mlp)\.)(\w+)_proj\.(weight|bias)$", local)
+            if self.tp.active:
+                tensor = self._tp_shard(local, tensor)
             if m and m.group(2) + "_proj" in self._STACKED:
                 fused, shard = self._STACKED[m.group(2) + "_proj"]
                 target = params[m.group(1) + fused + "." + m.group(3)]
@@ -300,6 +312,27 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"{source}: missing tensor {missing[0]!r}{more}")
+
+
+    def _tp_shard(self, local: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor (``local``: its name under the model) -> this rank's part of it: q/k/v and gate/up
+        rows by heads / features, o and down columns likewise (their biases on rank 0 alone, zero elsewhere: the
+        ranks' outputs are summed); other tensors whole."""
+        cfg, tp = self.config, self.tp
+        kind = re.search(r"\.(q|k|v|gate|up|o|down)_proj\.(weight|bias)$", local)
+        if kind is None:
+            return tensor
+        proj, what = kind.groups()
+        units = {"q": cfg.num_attention_heads * cfg.head_dim, "k": cfg.num_key_value_heads * cfg.head_dim,
+                 "v": cfg.num_key_value_heads * cfg.head_dim, "gate": cfg.intermediate_size,
+                 "up": cfg.intermediate_size, "o": cfg.num_attention_heads * cfg.head_dim,
+                 "down": cfg.intermediate_size}[proj]
+        start, length = tp.shard(units, f"{proj}_proj features")
+        if proj in ("o", "down"):
+            if what == "bias":
+                return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+            return tensor.narrow(1, start, length)
+        return tensor.narrow(0, start, length)
 
 
 def _folded(fold, stream, res, x) -> tuple:
