@@ -208,9 +208,12 @@ class Speculator(SpeculatorBase):
 
     # -- host: what a step stages per row ---------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-        """The integer and float arrays a packed step stages for speculation, by name and shape."""
+        """The integer and float arrays a packed step stages for speculation, by name and shape: a row of at most q
+        tokens verifies at most q - 1 drafts (a decoding step that drafted nothing: its token's logits alone), and
+        its tokens leave room for the next D + 1 prompt tokens after them (the head's prompt lookahead)."""
         b, d = rows, self.draft_len
-        ints = dict(verify_idx=(b, d + 1), drafts=(b, d), num_drafts=(b,), can_accept=(b,), base_col=(b,),
+        dv = min(d, q - 1)
+        ints = dict(verify_idx=(b, dv + 1), drafts=(b, dv), num_drafts=(b,), can_accept=(b,), base_col=(b,),
                     t0=(b,), start=(b,), ext=(b, q + d + 2), **{k: (b,) for k in ACCEPT_INTS})
         return ints, dict(relaxed_delta=(b,))
 
@@ -220,10 +223,11 @@ class Speculator(SpeculatorBase):
         on the device from its record): row, col [T] each token's row and column, ``a["input_ids"]`` [T] its id,
         first [B] each row's first flat index -> the step's switches with acceptance's."""
         b, d = len(sched), self.draft_len
+        dv = a["verify_idx"].shape[1] - 1  # the most drafts a row verifies (``packed_shapes``)
         n = np.fromiter((s.num_tokens for s in sched), np.int64, b)
         nd = np.fromiter((s.num_drafts for s in sched), np.int64, b)
         base = first + n - 1 - nd  # flat index of the first verified position (the last known token)
-        a["verify_idx"][:] = np.minimum(base[:, None] + np.arange(d + 1), (base + nd)[:, None])
+        a["verify_idx"][:] = np.minimum(base[:, None] + np.arange(dv + 1), (base + nd)[:, None])
         a["num_drafts"][:] = nd
         a["base_col"][:], a["t0"][:] = n - 1 - nd, first
         a["start"][:] = np.fromiter((s.start for s in sched), np.int64, b)
