@@ -338,3 +338,14 @@ def test_cpu_defaults(dirs, monkeypatch):
     assert kv_cache.cpu_kv_budget(CacheConfig(), per_block, seq, 64) == 2 * per_block
     monkeypatch.setattr(kv_cache, "_available_memory", lambda: 1 << 40)
     assert kv_cache.cpu_kv_budget(CacheConfig(), per_block, 4096, 1) == 2 << 30  # a 64k-token context: the cap
+
+
+def test_commands_other_than_serve_run_without_the_web_stack():
+    """``generate`` and ``bench`` parse and start without FastAPI, Starlette or uvicorn installed (the GPU machine
+    has torch but not them); ``serve`` alone imports them."""
+    code = ("import sys\n"
+            "for m in ('fastapi', 'starlette', 'uvicorn'): sys.modules[m] = None  # import fails\n"
+            "from specserve.cli import build_parser\n"
+            "print(build_parser().parse_args(['bench', '--batch-size', '2']).batch_size)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[2]", out.stderr[-2000:]

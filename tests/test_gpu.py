@@ -76,11 +76,13 @@ def test_cuda_speculation_is_lossless(tmp_path_factory, method, modules):
 
 
 @pytest.mark.parametrize("method", [None, "eagle3", "mtp"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, method, dtype):
+def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, method):
     """Captured graphs whose rows are corrected on the device from the step before (the overlap scheduler, on by
     default on CUDA) give the tokens of the synchronous engine, greedy and seeded, with requests joining running
-    ones and ending on stop tokens."""
+    ones and ending on stop tokens. Float32: the overlap scheduler admits a request one step later than the
+    synchronous engine (the step that ends a request is collected after the next is scheduled), so steps hold
+    other row counts, and in bf16 another row count can take another GEMM kernel and rounding (on the H100 the
+    tiny model's outputs parted after 20-30 tokens)."""
     from tiny_models import make_head
 
     d = tmp_path_factory.mktemp(f"overlap_gpu_{method}")
@@ -95,7 +97,7 @@ def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, metho
               for i in range(len(prompts))]
     outs = {}
     for overlap in (False, True):
-        llm = LLM(str(d / "t"), device="cuda", dtype=dtype, speculative_config=spec, max_num_seqs=4,
+        llm = LLM(str(d / "t"), device="cuda", dtype="float32", speculative_config=spec, max_num_seqs=4,
                   kv_cache_memory_bytes=1 << 26, overlap_scheduler=overlap)
         outs[overlap] = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.overlap is overlap and llm.engine.pool.num_free == llm.engine.pool.num_usable

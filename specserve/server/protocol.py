@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-
-from fastapi.responses import JSONResponse
+from typing import TYPE_CHECKING
 
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import chat_message
+
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
 
 @dataclass
@@ -42,8 +44,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self) -> "JSONResponse":
+        from fastapi.responses import JSONResponse  # imported here: the CLI's parsers read this module's options
+
         headers = {"connection": "close"} if self.close else None
+
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

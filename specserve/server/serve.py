@@ -13,8 +13,8 @@ import socket
 import sys
 import time
 
-from specserve.server.app import ServerOptions, build_app
 from specserve.server.async_engine import AsyncEngine, ShuttingDown
+from specserve.server.protocol import ServerOptions
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 stats_log = logging.getLogger("specserve.stats")
@@ -190,6 +190,8 @@ def run(a: argparse.Namespace, load) -> int:
     if opts.log_requests:
         for lg in ("specserve.access", "specserve.stats"):
             logging.getLogger(lg).setLevel(logging.INFO)
+    from specserve.server.app import build_app  # FastAPI: only to serve (the other commands run without it)
+
     async_engine = AsyncEngine(engine, max_queue=a.max_queue)
     app = build_app(async_engine, name, opts)
 
