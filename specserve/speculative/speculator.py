@@ -101,7 +101,9 @@ class Drafter:
         write them."""
         spec, meta = batch.spec, batch.meta
         ok = spec.accept.can_accept
-        ext = spec.ext  # [B, q + dv + 2] for rows of dv drafts; drafting more reads up to column q + d + 1
+        # a graph layout's table is [B, q + dv + 2] (dv: the most drafts its rows verify); drafting d > dv reads up
+        # to column q + d + 1 (vanilla MTP's shifted tokens), so it gets zero columns to there
+        ext = spec.ext
         more = draft_len - (spec.verify_idx.shape[1] - 1)
         if more > 0:
             ext = torch.nn.functional.pad(ext, (0, more))
