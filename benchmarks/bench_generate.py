@@ -18,7 +18,7 @@ import time
 import torch
 
 from specserve.bench.prompts import CHATS as ALL_CHATS
-from specserve.bench.run import left_padded
+from specserve.bench.hf import left_padded
 
 CHATS = ALL_CHATS[:8]  # the set behind this script's figures (docs/BENCHMARKS.md at commit d1401ab)
 

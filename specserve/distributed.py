@@ -24,8 +24,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-# a collective that waits this long for a rank that died or hung raises instead of hanging
-TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SPECSERVE_TP_TIMEOUT", 300)))
+# a collective that waits this long for a rank that died or hung raises instead of hanging (longer than any rank's
+# load or graph capture before the first collective)
+TIMEOUT = datetime.timedelta(seconds=300)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,7 +147,7 @@ def test_two_rounds_report_the_mean_of_their_ratios():
 def test_generated_count_stops_each_row_at_its_first_end_of_sequence():
     import torch
 
-    from specserve.bench.run import generated_count
+    from specserve.bench.hf import generated_count
 
     new = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 9, 0]])
     assert generated_count(new, (2,)) == 2 + 4 + 1
