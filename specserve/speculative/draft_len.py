@@ -168,6 +168,14 @@ class DraftLenPolicy:
         empty = SpecStats()
         self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
 
+    @classmethod
+    def from_config(cls, spec) -> "DraftLenPolicy":
+        """The policy a ``SpeculativeConfig`` asks for (fixed D unless it sets a schedule, the gate or adaptive)."""
+        gate = None
+        if spec.acceptance_rate_window_size is not None:
+            gate = AcceptanceGate(spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
+        return cls(spec.max_draft_len, spec.draft_len_schedule, spec.adaptive_draft_len, gate)
+
     @property
     def varies(self) -> bool:
         """Whether steps may draft fewer than ``max_draft_len``."""

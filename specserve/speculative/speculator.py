@@ -29,7 +29,7 @@ from specserve.runner.sampler import LOGPROB_WIDTH, SamplingTensors, token_logpr
 from specserve.runner.step_batch import RowResult, SpecInputs, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs, accept
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.draft_len import AcceptanceGate, DraftLenPolicy
+from specserve.speculative.draft_len import DraftLenPolicy
 from specserve.speculative.heads import DraftHead, DraftInputs, place
 
 # per-row acceptance settings as staged (``acceptance_columns``), with their padding rows' values (greedy, nothing
@@ -139,7 +139,8 @@ class SpeculatorBase:
         self.num_nodes = spec.num_nodes  # drafts a row verifies at most (a chain's D, a tree's N)
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
-        self.policy = DraftLenPolicy(self.draft_len)  # a chain's draft length by step (a tree's: fixed)
+        # the drafts each step proposes (a chain's may vary by step; the engine sets the costs and the prior)
+        self.policy = DraftLenPolicy.from_config(spec)
 
     @property
     def verify_len(self) -> int:
@@ -174,11 +175,6 @@ class Speculator(SpeculatorBase):
                  block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         super().__init__(spec, thinking_tokens)
         self.drafter = Drafter(head, head_kv, block_size, self.draft_len, model.rope.cos_cache.shape[0] - 1)
-        gate = None
-        if spec.acceptance_rate_window_size is not None:
-            gate = AcceptanceGate(spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
-        # the drafts each step proposes (fixed unless configured otherwise); the engine sets its costs and prior
-        self.policy = DraftLenPolicy(self.draft_len, spec.draft_len_schedule, spec.adaptive_draft_len, gate)
         self.step_draft_len = self.draft_len  # this step's (``plan_step``)
 
     @property
