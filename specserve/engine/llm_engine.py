@@ -93,7 +93,7 @@ class LLMEngine:
                              max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                              overlap=config.overlap_scheduler, max_num_seqs=config.scheduler_config.max_num_seqs)
         speculator = None
-        if self.head is not None:  # the head's KV layers follow the target's in the one KV tensor
+        if self.head is not None:  # the head's KV layers: after the target's, or (TP) in their own tensor
             head_kv = head_cache.layer_views()[-head_layers:]
             if self.spec_config.tree:  # the accepted path's target KV moves into place
                 target_kv = self.kv_cache.tensor[:cfg.num_hidden_layers]
@@ -126,8 +126,9 @@ class LLMEngine:
         did) -> (its rank, and on rank 0 the commands it sends the others before each step)."""
         size = config.tensor_parallel_size
         if tp is None:
-            tp = from_torchrun() or TensorParallel(0, size)
-            if address is None and from_torchrun() is not None:
+            torchrun = from_torchrun()
+            tp = torchrun or TensorParallel(0, size)
+            if address is None and torchrun is not None:
                 address = "env://"
         if tp.size != size:
             raise ValueError(f"tensor_parallel_size={size}, but this process is one of {tp.size} ranks")
