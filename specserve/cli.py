@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -441,7 +442,11 @@ def _serve_rank(a: argparse.Namespace) -> int:
     if getattr(a, "model_tag", None) is not None:
         a.model = a.model_tag
     serve_rank(LLMEngine(engine_args(a)))
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # leave as multiprocessing's children do, without the interpreter's finalization: a torchrun rank that ran it
+    # aborted now and then ("terminate called without an active exception") in the process group's C++ threads
+    os._exit(0)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

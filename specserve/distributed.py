@@ -118,6 +118,8 @@ class Commands:
         msg = [self.pending + [("stop",) if final else ("step",)]]
         self.pending = []
         dist.broadcast_object_list(msg, src=0)
+        if final:  # every rank has the stop before any tears its connections down (gloo aborts on a closed peer)
+            dist.barrier()
 
 
 def broadcast_object(tp: TensorParallel, obj):
@@ -148,6 +150,7 @@ def serve_rank(engine) -> None:
                 elif cmd[0] == "step":
                     engine.step()
                 elif cmd[0] == "stop":
+                    dist.barrier()  # rank 0's, after the stop: no rank closes its connections first
                     return
     finally:
         if dist.is_initialized():
