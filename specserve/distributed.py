@@ -9,9 +9,11 @@ decoder's row-parallel outputs are summed across ranks (``all_reduce``), which l
 states, logits, samples and acceptance, with no host round trip beyond that broadcast.
 
 What is sharded: each attention layer's heads (the fused qkv projection by q and KV heads, the o projection by its
-input), each MLP's intermediate features (gate/up by rows, down by its input), and so the KV cache by KV heads.
-The embedding, the output layer and the draft head are replicated (the head is small; its KV lives in a tensor of
-its own with all its KV heads).
+input), each MLP's intermediate features (gate/up by rows, down by its input), and so the KV cache by KV heads; the
+embedding and the output layer by vocabulary rows (``VocabParallelEmbedding``: each rank looks up the ids it holds
+and the ranks' rows are summed; the output layer's logits are gathered, so every rank samples and accepts over the
+whole vocabulary). The draft head is replicated (it is small; its KV lives in a tensor of its own with all its KV
+heads); where it shares the target's embedding or output layer it reads them through the same collectives.
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ class TensorParallel:
         if self.active:
             dist.all_reduce(x)
         return x
+
+    def vocab_shard(self, vocab: int) -> tuple[int, int]:
+        """(start, rows) of this rank's vocabulary rows: ``ceil(vocab / size)`` each, the last rank's padded past
+        ``vocab`` (a vocabulary rarely divides evenly)."""
+        rows = -(-vocab // self.size)
+        return self.rank * rows, rows
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] on each rank -> [..., size * n], the ranks' parts side by side in rank order (every rank gets
+        the whole)."""
+        if not self.active:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]  # [..., n] each
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
 
 
 SINGLE = TensorParallel()

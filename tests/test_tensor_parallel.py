@@ -21,6 +21,12 @@ def dirs(tmp_path_factory):
     make_hf_model(root / "target", "qwen2", initializer_range=0.4, num_hidden_layers=2)
     make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
     make_head(root / "mtp", root / "target", "mtp", num_modules=1, seed=2)
+    # a vocabulary two ranks do not split evenly (the last rank's rows padded), tied to the embedding; an EAGLE-3
+    # head drafting over some of the target's output rows (d2t), an MTP head on the whole output layer
+    make_hf_model(root / "odd", "llama", vocab_size=321, tie_word_embeddings=True, initializer_range=0.4,
+                  num_hidden_layers=2)
+    make_head(root / "odd-eagle3", root / "odd", "eagle3", draft_vocab=200, own_head=False, seed=3)
+    make_head(root / "odd-mtp", root / "odd", "mtp", num_modules=1, seed=4)
     return root
 
 
@@ -28,9 +34,9 @@ SPECS = {"no-spec": None, "eagle3": dict(method="eagle3", draft_model="eagle3", 
          "mtp_eagle-tree": dict(method="mtp", draft_model="mtp", max_draft_len=2, topk=2, max_total_draft_tokens=4)}
 
 
-def _run(dirs, spec, tp: int, params, **kw):
+def _run(dirs, spec, tp: int, params, target="target", **kw):
     sc = None if SPECS[spec] is None else dict(SPECS[spec], draft_model=str(dirs / SPECS[spec]["draft_model"]))
-    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, tensor_parallel_size=tp,
+    llm = LLM(str(dirs / target), device="cpu", dtype="float32", speculative_config=sc, tensor_parallel_size=tp,
               **kw)
     try:
         outs = llm.generate(PROMPTS * 2, params)
@@ -49,6 +55,19 @@ def test_two_ranks_give_one_ranks_greedy_tokens(dirs, spec, kw):
     assert eng.model.layers[0].self_attn.hkv == 1 and eng.kv_cache.tensor.shape[-2] == 1  # half the KV heads
     if spec != "no-spec":
         assert eng.spec_stats.num_verify_steps > 0
+
+
+@pytest.mark.parametrize("head", ["odd-eagle3", "odd-mtp"])
+def test_a_vocabulary_split_unevenly_gives_one_ranks_tokens(dirs, head):
+    """The embedding and the (tied) output layer split by vocabulary rows, 161 + 160 and a padding row: the
+    target's logits gathered, and the head's input embeddings and drafts read through the same collectives.
+    Every draft is accepted (forced acceptance), so the output is the head's drafts as much as the target's."""
+    SPECS[head] = dict(method=head[4:], draft_model=head, max_draft_len=3, forced_acceptance=3)
+    one, _ = _run(dirs, head, 1, GREEDY, target="odd")
+    two, eng = _run(dirs, head, 2, GREEDY, target="odd")
+    assert two == one
+    assert eng.model.embed_tokens.weight.shape[0] == 161 and eng.model.lm_head is None
+    assert eng.spec_stats.num_accepted > 0
 
 
 def test_seeded_sampling_gives_one_ranks_tokens(dirs):

@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP, the vocabulary-parallel
+embedding."""
 
 from __future__ import annotations
 
@@ -64,6 +65,30 @@ def normed_argmax(norm: "RMSNorm", x: torch.Tensor, weight: torch.Tensor, int8=N
             return fused_argmax(x, q, NORM, norm.weight, norm.eps, scale=scale, ids=ids, out=out, **_LM_LAUNCH)
         return fused_argmax(x, weight, NORM, norm.weight, norm.eps, ids=ids, out=out)
     return argmax_lastdim(normed_logits(norm, x, weight), ids)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary rows over the tensor-parallel ranks (``TensorParallel.vocab_shard``):
+    each rank looks up the ids it holds, zeros for the others, and the ranks' rows are summed. ``weight`` [rows, H]
+    is this rank's part, padded with zero rows past the vocabulary; a tied output layer reads it as its own part."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp, self.num_embeddings = tp, vocab
+        self.start, rows = tp.vocab_shard(vocab)
+        self.weight = nn.Parameter(torch.zeros(rows, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., H]"""
+        local = ids - self.start
+        held = (local >= 0) & (local < self.weight.shape[0])
+        x = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.tp.all_reduce(x.masked_fill(~held.unsqueeze(-1), 0))
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's whole table (or output layer) [V, H] -> this rank's rows, zero-padded [rows, H]."""
+        part = full[self.start:self.start + self.weight.shape[0]]
+        return torch.cat([part, part.new_zeros(self.weight.shape[0] - part.shape[0], part.shape[1])])
 
 
 class RMSNorm(nn.Module):

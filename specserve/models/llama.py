@@ -21,7 +21,7 @@ from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, Prologue, 
                                     merged_linear, merges_splits)
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
-from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, linear
+from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabParallelEmbedding, linear
 
 
 class Attention(nn.Module):
@@ -200,10 +200,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # tensor parallelism: the embedding and the output layer by vocabulary rows (their logits gathered)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if tp.active
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab_rows = tp.vocab_shard(cfg.vocab_size)[1]
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.rope = rope
 
     def forward(
@@ -238,11 +241,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_logits(hidden).float()
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in the weights' dtype."""
-        return torch.nn.functional.linear(hidden, self.lm_weight())
+        """hidden [N, H] -> logits [N, V] in the weights' dtype (under tensor parallelism every rank's part,
+        gathered)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_weight())
+        if not self.tp.active:
+            return logits
+        logits = self.tp.gather_last(logits)  # [N, size * rows]: the last rank's padding at the end
+        return logits if logits.shape[-1] == self.config.vocab_size else logits[..., :self.config.vocab_size]
 
     def lm_weight(self) -> torch.Tensor:
-        """The output projection [V, H] (the embedding when tied)."""
+        """The output projection [V, H] (the embedding when tied; under tensor parallelism this rank's rows)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ----------------------------------------------------------------------------------------------
@@ -317,8 +325,10 @@ class LlamaForCausalLM(nn.Module):
     def _tp_shard(self, local: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor (``local``: its name under the model) -> this rank's part of it: q/k/v and gate/up
         rows by heads / features, o and down columns likewise (their biases on rank 0 alone, zero elsewhere: the
-        ranks' outputs are summed); other tensors whole."""
+        ranks' outputs are summed), the embedding and output layer by vocabulary rows; other tensors whole."""
         cfg, tp = self.config, self.tp
+        if local in ("embed_tokens.weight", "lm_head.weight"):
+            return self.embed_tokens.shard(tensor)
         kind = re.search(r"\.(q|k|v|gate|up|o|down)_proj\.(weight|bias)$", local)
         if kind is None:
             return tensor

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import gemv_enabled, quantize_rows
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT
@@ -71,10 +72,19 @@ class DraftHead(nn.Module):
     def target(self):
         return self._target[0]
 
-    def embed_table(self) -> torch.Tensor:
-        """The embedding the head reads its input tokens through [V, H]: its own, or the target's."""
+    def embed_input(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [N] -> (ids', table) whose rows table[ids'] are the embeddings the head reads its input tokens
+        through: (ids, its own embedding or the target's [V, H]); where the target's is split by vocabulary rows
+        (tensor parallelism), (arange(N), those rows gathered [N, H]), which the kernels read alike."""
         own = getattr(self, "embed_tokens", None)
-        return (own if own is not None else self.target.embed_tokens).weight
+        if own is not None or not self.target.tp.active:
+            return ids, (own if own is not None else self.target.embed_tokens).weight
+        return _arange(ids.shape[0], ids.device), self.target.embed_tokens(ids)
+
+    def _vocab_parallel(self, weight: torch.Tensor) -> bool:
+        """Whether an output layer is the target's, split by vocabulary rows (its logits are then gathered)."""
+        target = self._target[0] if self._target else None
+        return target is not None and target.tp.active and weight is target.lm_weight()
 
     # --- per-step pieces ---------------------------------------------------------------------
     def first_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -123,6 +133,10 @@ class DraftHead(nn.Module):
         """out [..., H] -> logits over the head's vocabulary [..., V'] in the compute dtype (argmax needs no
         float32 copy: converting is exact, so the argmax is the same)."""
         norm, w = self.output_layer(step)
+        if self._vocab_parallel(w):  # the target's logits over the whole vocabulary, then the head's entries
+            logits = self.target.lm_logits(norm(out))  # [..., V]
+            ids = self.target_ids()
+            return logits if ids is None else logits[..., ids]
         return normed_logits(norm, out, w, self.int8_output(w))
 
     def vocab_ids(self) -> torch.Tensor | None:
@@ -161,6 +175,8 @@ class DraftHead(nn.Module):
         first stage inside the output layer, ``normed_argmax``, whose second writes them into ``dest`` [B] when
         given; a result that is not ``dest`` is for the caller to place)."""
         norm, w = self.output_layer(step)
+        if self._vocab_parallel(w):
+            return argmax_lastdim(self.raw_logits(step, out), self.target_ids())
         folded = self.int8_output(w, norm) if self.fold_draft_norm else None
         return normed_argmax(norm, out, w, self.int8_output(w), self.target_ids(), dest, int8_folded=folded)
 
@@ -257,7 +273,7 @@ class Eagle3Head(DraftHead):
         return linear(self.fc, torch.cat(aux, dim=-1))
 
     def run_module(self, step, ids, positions, hidden, meta, kv, rows=None):
-        return self.midlayer(ids, self.embed_table(), hidden, positions, meta, *kv, rows=rows)
+        return self.midlayer(*self.embed_input(ids), hidden, positions, meta, *kv, rows=rows)
 
     def output_layer(self, step):
         return self.norm, self.lm_weight()
@@ -271,7 +287,7 @@ class Eagle3Head(DraftHead):
         if self.lm_head is not None:
             return self.lm_head.weight
         full = self.target.lm_weight()  # [V, H]
-        if len(self.d2t) == 0:
+        if len(self.d2t) == 0 or self.target.tp.active:  # split by vocabulary: raw_logits picks the entries
             return full
         return self.derived("rows", (full, self.d2t), lambda: full[self.vocab_ids().to(full.device)].contiguous())
 
@@ -342,7 +358,7 @@ class MTPHead(DraftHead):
         return hidden
 
     def run_module(self, step, ids, positions, hidden, meta, kv, rows=None):
-        return self.module(step)(ids, self.embed_table(), hidden, positions, meta, *kv, rows=rows)
+        return self.module(step)(*self.embed_input(ids), hidden, positions, meta, *kv, rows=rows)
 
     def step_modules(self, step):
         return [self.module(step)]
