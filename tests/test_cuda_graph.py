@@ -10,7 +10,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.runner.cuda_graph import CudaGraphs, capture_sizes
 from specserve.runner.graph_inputs import row_fields, stage_record
-from specserve.runner.model_runner import ModelRunner
+from specserve.runner.model_runner import ModelRunner, prefill_q
 from specserve.runner.staging import Staging
 from tiny_models import PROMPTS, target_with_heads
 
@@ -227,6 +227,13 @@ def test_an_upload_captured_in_a_graph_reads_the_host_buffer_at_each_replay():
     assert run([0, 1, 0, 1]) == [1, 3, 1, 3]  # a replay: no copy call from the host
     assert run([5, 5, 5, 5]) == [11, 11, 11, 11]
     assert graphs.num_captured == 1
+
+
+def test_a_long_prompts_prefill_graph_is_at_most_a_third_padding():
+    sizes = {n: prefill_q(n) for n in (1, 16, 17, 300, 512, 513, 768, 769, 1025, 1536, 1537, 2048, 6000)}
+    assert sizes == {1: 16, 16: 16, 17: 32, 300: 512, 512: 512, 513: 768, 768: 768, 769: 1024, 1025: 1536,
+                     1536: 1536, 1537: 2048, 2048: 2048, 6000: 6144}
+    assert all(prefill_q(n) >= n and (prefill_q(n) - n) * 3 <= prefill_q(n) for n in range(512, 9000))
 
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)

@@ -69,12 +69,18 @@ class _LastRecord:
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
 
 
+def prefill_q(n: int) -> int:
+    """Tokens of the one-row prefill graph that runs a prompt's last n tokens: a power of two of at least 16 up to
+    512, past it also three quarters of one (768, 1536, 3072, ...), so that at most a third of a long prompt's
+    graph is padding while a handful of graphs serve every length."""
+    q = max(16, 1 << (n - 1).bit_length())
+    return q // 4 * 3 if q > 512 and n <= q // 4 * 3 else q
+
+
 class ModelRunner:
     """Runs one step: a scheduled batch -> a ``StepBatch`` (packed, or a graph's record expanded on the device) ->
     the target's forward pass -> sampling, or with a ``speculator`` verification, acceptance and drafting."""
 
-    # a one-row step of at most this many prompt tokens (batch-1 serving's prefill) runs as a graph too
-    prefill_graph_tokens = 512
 
     # a step that mixes generation rows with at most this many rows ending their prompts (requests joining
     # running ones) runs as one graph per such row plus one graph for the generation rows
@@ -114,13 +120,13 @@ class ModelRunner:
 
     def _prefill_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
         """One row whose step ends its prompt (it samples) in at most ``prefill_graph_tokens`` tokens: a graph
-        of that many tokens rounded up to a power of two (at least 16), the padding tokens writing only the
-        pad block. An eager step costs about one host launch per kernel, 14 ms for the default model on the
-        GPU machine, far more than the padding; batches of several rows with prompt tokens stay eager."""
+        of ``prefill_q`` tokens, the padding tokens writing only the pad block. An eager step costs about one
+        host launch per kernel, 14 ms for the default model on the GPU machine, far more than the padding;
+        batches of several rows with prompt tokens stay eager."""
         if len(batch.scheduled) != 1:
             return None
         s = batch.scheduled[0]
-        q = max(16, 1 << (s.num_tokens - 1).bit_length())
+        q = prefill_q(s.num_tokens)
         if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens or q > self.max_graph_q:
             return None
         return self._layout(batch, q, prefill=True)
@@ -160,6 +166,9 @@ class ModelRunner:
         max_len = max_model_len or model.config.max_position_embeddings
         # padding tokens sit at positions up to a layout's q - 1: they must stay inside the RoPE table
         self.max_graph_q = min(max_len, model.config.max_position_embeddings)
+        # a one-row step ending its prompt in at most this many tokens (batch-1 serving's prefill, up to the step's
+        # token budget) runs as a graph too
+        self.prefill_graph_tokens = max(512, max_num_batched_tokens)
         self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
         # staging sized for the largest graph step up front, so that graphs rarely need recapturing
