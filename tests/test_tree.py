@@ -220,11 +220,14 @@ def test_tree_settings_are_checked():
         SpeculativeConfig.from_value(dict(draft_model="random", topk=2, eagle_topk=3))
 
 
-@pytest.mark.parametrize("head", ["eagle3", "mtp"])
-def test_tree_graph_layouts_equal_packed_steps(dirs, reference, head):
+@pytest.mark.parametrize("head,shape", [("eagle3", (2, 3, 6)), ("mtp", (2, 3, 6)), ("eagle3", (4, 4, 20))],
+                         ids=["eagle3", "mtp", "eagle3-k4-d4-n20"])
+def test_tree_graph_layouts_equal_packed_steps(dirs, reference, head, shape):
     """Tree steps in the CUDA graphs' padded layouts (run without capture on the CPU): positions by depth and
     ancestor bits derived on the device from the staged parents; the same tokens as packed steps, greedy and
-    seeded, and an oracle tree still accepted to its full depth."""
+    seeded, and an oracle tree still accepted to its full depth. A tree of 20 nodes is wider than a short
+    prompt's 16-token prefill layout (whose row has no nodes)."""
+    k, d, n = shape
     from specserve.runner.cuda_graph import CudaGraphs
 
     params = [SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True),
@@ -232,18 +235,20 @@ def test_tree_graph_layouts_equal_packed_steps(dirs, reference, head):
     params = [params[i % 2] for i in range(len(PROMPTS))]
     outs = []
     for padded in (False, True):
-        llm = _tree_llm(dirs, head, 2, 3, 6)
+        llm = _tree_llm(dirs, head, k, d, n)
         if padded:
             llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
         outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
         if padded:
             assert llm.engine.runner.graphs.steps >= 10
+            # one request at a time: each prompt's prefill is a one-row layout of 16 or 32 tokens
+            assert [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS[:3]] == reference[:3]
     assert outs[0] == outs[1]
-    llm = _tree_llm(dirs, head, 2, 3, 6)
+    llm = _tree_llm(dirs, head, k, d, n)
     llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
-    _oracle(llm, reference, 3)
+    _oracle(llm, reference, d)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    assert llm.engine.spec_stats.per_position == [1.0] * 3
+    assert llm.engine.spec_stats.per_position == [1.0] * d
 
 
 def test_steps_of_many_rows_draft_chains(dirs, reference):

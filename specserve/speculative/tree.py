@@ -208,12 +208,14 @@ class TreeSpeculator(SpeculatorBase):
         bits = torch.bitwise_left_shift(torch.ones_like(cols), cols).expand(b, n + 1).clone()  # [B, N+1]
         for _ in range(d):
             bits[:, 1:] = bits.gather(1, parents) | bits[:, 1:]
-        live = tree_row & (col[None, :n + 1] <= nd[:, None])  # [B, N+1]: the root and the row's nodes
+        # a one-row prefill layout may hold fewer tokens than the root and N nodes; its row has no nodes
+        m = min(q, n + 1)
+        live = tree_row & (col[None, :m] <= nd[:, None])  # [B, m]: the root and the row's nodes
         pos = x["positions"]
         meta.query_pos = pos.clone()  # the mask's positions stay the columns' (expand_record's one tensor for both)
-        pos[:, :n + 1] = torch.where(live, f["start"][:, None] + node_depths(parents, d), pos[:, :n + 1])
+        pos[:, :m] = torch.where(live, f["start"][:, None] + node_depths(parents, d)[:, :m], pos[:, :m])
         full = torch.full((b, q), -1, dtype=torch.int64, device=parents.device)
-        full[:, :n + 1] = torch.where(live, bits, -1)
+        full[:, :m] = torch.where(live, bits[:, :m], -1)
         meta.tree_bits, meta.tree_base = full, f["start"]
         can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)
         acc = self.verifier.inputs(sampling, greedy, can_accept, relaxed, f["relaxed_topk"], f["relaxed_delta"],
