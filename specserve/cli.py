@@ -292,6 +292,12 @@ def _train_parser(sub) -> None:
     tr.add_argument("--eval-max-prompts", type=int, default=d.eval_max_prompts,
                     help="evaluate on at most this many prompts of each set (default 0: all of them)")
     tr.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens)
+    tr.add_argument("--dev-set-size", type=int, default=d.dev_set_size, metavar="N",
+                    help="also evaluate on development sets of N conversations a category (chat, code, long-document "
+                         "summarization and questions, multi-turn, rewriting, extraction, translation, math), built "
+                         "from the held-out and evaluation prompts' records (default 0: none)")
+    tr.add_argument("--dev-doc-tokens", type=int, default=d.dev_doc_tokens,
+                    help="longest document of those sets, in tokens (the shortest is a quarter of it)")
     tr.add_argument("--time-limit", type=float, default=d.time_limit,
                     help="stop training after this many seconds (counted over resumes; the LR decays over it)")
     tr.add_argument("--stop-after", type=float, default=d.stop_after,

@@ -80,7 +80,7 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     common = dict(target=str(dirs / "target"), prompts=[str(prompts)], device="cpu", steps=60, batch_size=4,
                   gen_max_tokens=24, warmup=5, lr=2e-3, eval_max_tokens=12, holdout=0.1, log_every=5)
     rep = train(TrainConfig(method="eagle3", out=str(tmp_path / "e3"), draft_vocab=120, aux_layers=(6, 0, 7),
-                            **common))
+                            dev_set_size=2, **common))
     hist = rep["history"]
     first = sum(h["loss"] for h in hist[:2]) / 2
     last = sum(h["loss"] for h in hist[-2:]) / 2
@@ -92,6 +92,10 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     ev = rep["eval"]["holdout"]
     assert ev["prompts"] == 3 and 1.0 <= ev["acceptance_length"] <= 5.0
     assert len(ev["per_position_acceptance"]) == 4
+    # development sets: the held-out prompts as their file's category, and math word problems
+    assert set(rep["dev"]) == {"prompts", "math"} and rep["dev"]["math"]["prompts"] == 2
+    assert all(len(d["per_position_acceptance"]) == 4 for d in rep["dev"].values())
+    assert (tmp_path / "e3" / "acceptance-by-category.png").is_file()
     # the exported head loads, drafts and keeps greedy outputs unchanged
     head_dir = tmp_path / "e3" / "head"
     cfg = json.loads((head_dir / "config.json").read_text())
@@ -462,3 +466,29 @@ def test_generation_workers_that_do_not_fit_the_gpu_say_to_use_fewer(monkeypatch
         generate._shard(cfg, [], 0, 8, generate.RESPOND)
     with pytest.raises(ValueError, match=r"^--gpu-memory-utilization 0.8 leaves no room$"):
         generate._shard(cfg, [], 0, 1, generate.RESPOND)
+
+
+def test_development_sets_use_only_records_never_trained_on(tmp_path):
+    """Categories from the file's name and from its records' responses (documents of sections, conversations,
+    texts to rewrite, extract from or translate), math from templates; a record outside ``allowed`` appears
+    nowhere; the same seed gives the same sets."""
+    from specserve.train.devsets import CHARS_PER_TOKEN, TEXT_CATEGORIES, build_dev_sets
+
+    recs = [{"instruction": f"Task {i}: describe the harbour.", "input": "",
+             "response": f"MARK{i:03d} " + "The harbour is busy at dawn. Boats leave for the sea. " * 8}
+            for i in range(40)]
+    f = tmp_path / "gpteacher-roleplay-instruct.json"
+    f.write_text(json.dumps(recs))
+    allowed = {r["instruction"] for r in recs[::2]}
+    sets = build_dev_sets([f], allowed, per_category=4, seed=3, doc_tokens=(300, 600))
+    assert set(sets) == {"chat", "math", *TEXT_CATEGORIES}
+    assert all(len(v) == 4 and v[-1][-1]["role"] == "user" for v in sets.values())
+    assert all(c[0]["content"] in allowed for c in sets["chat"])
+    text = json.dumps(sets)
+    assert all(f"MARK{i:03d}" not in text for i in range(1, 40, 2))  # no held-in record's response
+    assert sum(f"MARK{i:03d}" in text for i in range(0, 40, 2)) > 5
+    for conv in sets["summarization"] + sets["document-qa"]:
+        assert 300 * CHARS_PER_TOKEN <= len(conv[0]["content"]) <= 2 * 600 * CHARS_PER_TOKEN
+    assert all(len(c) >= 5 and c[1]["role"] == "assistant" for c in sets["multi-turn"])
+    assert build_dev_sets([f], allowed, 4, seed=3, doc_tokens=(300, 600)) == sets
+    assert build_dev_sets([f], allowed, 4, seed=4, doc_tokens=(300, 600)) != sets

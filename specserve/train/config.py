@@ -59,6 +59,8 @@ class TrainConfig:
     eval_draft_len: int = 4
     eval_max_prompts: int = 0  # 0: every prompt of each evaluation set
     eval_max_tokens: int = 256
+    dev_set_size: int = 0  # conversations a category in the development sets (``train/devsets.py``); 0: none
+    dev_doc_tokens: int = 4000  # the longest documents of those sets, in tokens (the shortest a quarter of it)
     export_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -99,6 +101,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not 1 <= self.eval_draft_len <= MAX_DRAFT_LEN:  # checked now, not after hours of training
             raise ValueError(f"--eval-draft-len must be in [1, {MAX_DRAFT_LEN}], got {self.eval_draft_len}")
+        if self.dev_set_size < 0 or self.dev_doc_tokens < 4:
+            raise ValueError("--dev-set-size must be >= 0 and --dev-doc-tokens >= 4")
         if self.eval_max_tokens < 1:
             raise ValueError("--eval-max-tokens must be >= 1")
         for name in ("eval_max_prompts", "max_prompts", "warmup", "draft_vocab", "gen_temperature"):

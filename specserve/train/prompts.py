@@ -19,7 +19,7 @@ def _open(path: Path):
     return open(path, encoding="utf-8-sig")
 
 
-def _records(path: Path) -> list:
+def read_records(path: Path) -> list:
     with _open(path) as f:
         text = f.read()
     stripped = text.lstrip()
@@ -82,7 +82,7 @@ def read_prompts(paths: list[str | Path]) -> list[str]:
         path = Path(p)
         if not path.is_file():
             raise ValueError(f"prompt file {str(p)!r} not found")
-        recs = _records(path)
+        recs = read_records(path)
         found = 0
         for rec in recs:
             text = prompt_of(rec)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specserve.train.devsets import build_dev_sets
 from specserve.train.prompts import read_prompts
 
 
 EVAL_KV_BYTES = 4 << 30  # the evaluation engine's KV cache on a GPU
 
 
-def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int, max_tokens: int,
+def acceptance(target, method: str, head_dir, prompts: list, draft_len: int, max_tokens: int,
                device=None, dtype: str = "auto") -> dict:
-    """Greedy acceptance of ``head_dir`` on chat prompts: acceptance length and per-position acceptance."""
+    """Greedy acceptance of ``head_dir`` on chat prompts (a user message each, or whole conversations: lists of
+    messages): acceptance length and per-position acceptance."""
     from specserve import LLM, SamplingParams
     from specserve.config import resolve_device
 
@@ -23,7 +25,8 @@ def acceptance(target, method: str, head_dir, prompts: list[str], draft_len: int
     llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128, kv_cache_memory_bytes=kv,
               speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
     tok = llm.tokenizer
-    reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for p in prompts]
+    convs = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    reqs = [{"prompt_token_ids": tok.apply_chat_template(c)} for c in convs]
     outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True,
                         raise_on_error=False)
     stats = llm.engine.spec_stats
@@ -40,8 +43,20 @@ def evaluate(cfg, head_dir: Path, holdout: list[str]) -> dict:
         sets["holdout"] = holdout[:n]
     for f in cfg.eval_prompts:
         sets[Path(f).name] = read_prompts([f])[:n]
+    if cfg.dev_set_size:  # from records never trained on: held-out prompts, evaluation files' prompts
+        allowed = set(holdout) | {p for ps in list(sets.values()) for p in ps}
+        dev = build_dev_sets(list(cfg.prompts) + list(cfg.eval_prompts), allowed, cfg.dev_set_size, cfg.seed,
+                             (max(1, cfg.dev_doc_tokens // 4), cfg.dev_doc_tokens))
+        sets.update({f"dev/{cat}": convs for cat, convs in dev.items()})
     return {name: acceptance(cfg.target, cfg.method, head_dir, ps, cfg.eval_draft_len, cfg.eval_max_tokens,
                              cfg.device) for name, ps in sets.items()}
+
+
+def dev_summary(evals: dict) -> dict:
+    """The development sets' results by category: acceptance length and per-position acceptance."""
+    return {name[len("dev/"):]: {"acceptance_length": e["acceptance_length"], "prompts": e["prompts"],
+                                 "per_position_acceptance": e["per_position_acceptance"]}
+            for name, e in evals.items() if name.startswith("dev/")}
 
 
 def _smooth(ys: list[float], frac: float = 0.03) -> list[float]:
@@ -78,7 +93,7 @@ def write_report(out: Path, report: dict) -> None:
         fig.tight_layout()
         fig.savefig(out / "loss.png", dpi=110)
         plt.close(fig)
-    evals = report.get("eval") or {}
+    evals = {k: e for k, e in (report.get("eval") or {}).items() if not k.startswith("dev/")}  # dev: below
     if evals:
         fig, ax = plt.subplots(figsize=(7, 4))
         width = 0.8 / len(evals)
@@ -94,4 +109,22 @@ def write_report(out: Path, report: dict) -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "acceptance.png", dpi=110)
+        plt.close(fig)
+    dev = report.get("dev") or {}
+    if dev:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.4 * len(dev) + 2))
+        names = list(dev)
+        als = [dev[c]["acceptance_length"] or 0.0 for c in names]  # None: no speculative step ran
+        a.barh(names, als)
+        for y, al in enumerate(als):
+            a.text(al, y, f" {al:.2f}", va="center")
+        a.invert_yaxis()
+        a.set(xlabel="acceptance length (greedy, bonus token included)", title="development sets by category")
+        for c in names:
+            pos = dev[c]["per_position_acceptance"]
+            b.plot(range(1, len(pos) + 1), pos, marker="o", label=c)
+        b.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), title="per-position acceptance")
+        b.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "acceptance-by-category.png", dpi=110)
         plt.close(fig)

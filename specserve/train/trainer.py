@@ -378,12 +378,13 @@ def train(cfg: TrainConfig) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    from specserve.train.report import evaluate, write_report
+    from specserve.train.report import dev_summary, evaluate, write_report
 
     evals = evaluate(cfg, head_dir, holdout)
     report = {"config": asdict(cfg), "train_sequences": len(seqs),
               "train_tokens": sum(len(d["response_ids"]) for d in seqs), "gen_seconds": data.get("gen_seconds"),
               "train_seconds": train_seconds, "steps_done": steps_done, "head_bytes": (head_dir / "model.safetensors").stat().st_size,
-              "final": history[-1] if history else None, "history": history, "eval": evals}
+              "final": history[-1] if history else None, "history": history, "eval": evals,
+              "dev": dev_summary(evals)}
     write_report(out, report)
     return report
