@@ -274,6 +274,9 @@ def _train_parser(sub) -> None:
     tr.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     tr.add_argument("--steps", type=int, default=d.steps)
     tr.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per training step")
+    tr.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
+                    help="at most this many padded tokens a step: a batch of long sequences takes fewer of them "
+                         "(at least one; default 0: always --batch-size)")
     tr.add_argument("--lr", type=float, default=d.lr)
     tr.add_argument("--warmup", type=int, default=d.warmup)
     tr.add_argument("--ttt-steps", type=int, default=d.ttt_steps,
@@ -296,8 +299,13 @@ def _train_parser(sub) -> None:
                     help="also evaluate on development sets of N conversations a category (chat, code, long-document "
                          "summarization and questions, multi-turn, rewriting, extraction, translation, math), built "
                          "from the held-out and evaluation prompts' records (default 0: none)")
-    tr.add_argument("--dev-doc-tokens", type=int, default=d.dev_doc_tokens,
-                    help="longest document of those sets, in tokens (the shortest is a quarter of it)")
+    tr.add_argument("--category-prompts", type=int, default=d.category_prompts, metavar="N",
+                    help="add N training conversations a category made the same way from the training prompts' "
+                         "records (documents to summarize and question, multi-turn, rewriting, extraction, "
+                         "translation, math), answered by the target (default 0: none)")
+    tr.add_argument("--doc-tokens", type=int, default=d.doc_tokens,
+                    help="longest document of the development sets and --category-prompts, in tokens (the shortest "
+                         "is a quarter of it); give --max-seq-len room for it and the response")
     tr.add_argument("--time-limit", type=float, default=d.time_limit,
                     help="stop training after this many seconds (counted over resumes; the LR decays over it)")
     tr.add_argument("--stop-after", type=float, default=d.stop_after,

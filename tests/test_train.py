@@ -492,3 +492,47 @@ def test_development_sets_use_only_records_never_trained_on(tmp_path):
     assert all(len(c) >= 5 and c[1]["role"] == "assistant" for c in sets["multi-turn"])
     assert build_dev_sets([f], allowed, 4, seed=3, doc_tokens=(300, 600)) == sets
     assert build_dev_sets([f], allowed, 4, seed=4, doc_tokens=(300, 600)) != sets
+
+
+def test_category_prompts_join_training_as_conversations_the_target_answers(dirs, tmp_path):
+    """--category-prompts: documents, conversations and texts made of the training records' responses (never the
+    held-out ones), answered by the target; their counts are recorded with the data; a resume with another count
+    is refused; documents must fit --max-seq-len."""
+    recs = [{"instruction": f"Task {i}: describe the harbour.", "input": "",
+             "response": f"MARK{i:03d} " + "The harbour is busy at dawn. Boats leave. " * 6} for i in range(20)]
+    f = tmp_path / "gpteacher-roleplay-instruct.json"
+    f.write_text(json.dumps(recs))
+    base = dict(target=str(dirs / "target"), method="eagle3", prompts=[str(f)], out=str(tmp_path / "o"),
+                device="cpu", gen_max_tokens=4, holdout=0.25, doc_tokens=80, max_seq_len=200, regenerate_only=True)
+    train(TrainConfig(category_prompts=2, **base))
+    data = torch.load(tmp_path / "o" / "data.pt")
+    convs = [p for p in data["train_prompts"] if isinstance(p, list)]
+    assert data["category_prompts"] == {"summarization": 2, "document-qa": 2, "multi-turn": 2, "rewriting": 2,
+                                        "extraction": 2, "translation": 2, "math": 2}
+    assert len(convs) == 14
+    held = {int(h.split()[1][:-1]) for h in data["holdout_prompts"]}
+    assert len(held) == 5 and not any(f"MARK{i:03d}" in json.dumps(convs) for i in held)
+    # every conversation that fits the tiny model's 512 positions (its text is about a token a character: the
+    # documents and multi-turn ones do not) is answered, its prompt the conversation through the chat template
+    tok = LLM(str(dirs / "target"), device="cpu", dtype="float32").tokenizer
+    answered = {tuple(s["prompt_ids"]) for s in data["train"] if s["response_ids"]}
+    short = [c for c in convs if len(tok.apply_chat_template(c)) < 500]
+    assert len(short) >= 8 and all(tuple(tok.apply_chat_template(c)) in answered for c in short)
+    with pytest.raises(ValueError, match="--category-prompts .*resume with the same options"):
+        train(TrainConfig(category_prompts=3, **base))
+    with pytest.raises(ValueError, match="give --max-seq-len at least 84"):
+        TrainConfig(category_prompts=2, **dict(base, max_seq_len=60))
+
+
+def test_a_token_budget_takes_fewer_long_sequences_a_batch():
+    import random
+
+    from specserve.train.data import sample_batch
+
+    seqs = [{"prompt_ids": [1] * n, "response_ids": [2] * 4} for n in (4, 400, 12, 1000)]
+    a, b = random.Random(5), random.Random(5)
+    assert sample_batch(a, seqs, 6, 0, 512) == [b.randrange(4) for _ in range(6)]  # no budget: as before
+    for seed in range(20):
+        idx = sample_batch(random.Random(seed), seqs, 6, 1024, 512)
+        longest = max(min(512, len(seqs[i]["prompt_ids"]) + 4) for i in idx)
+        assert 1 <= len(idx) <= 6 and (len(idx) == 1 or len(idx) * longest <= 1024)

@@ -43,6 +43,8 @@ class TrainConfig:
     max_seq_len: int = 1024
     steps: int = 2000
     batch_size: int = 16
+    # a batch's padded tokens at most (long documents: fewer sequences a batch); 0: always batch_size sequences
+    batch_tokens: int = 0
     lr: float = 5e-4
     warmup: int = 100
     ttt_steps: int = 4
@@ -60,7 +62,8 @@ class TrainConfig:
     eval_max_prompts: int = 0  # 0: every prompt of each evaluation set
     eval_max_tokens: int = 256
     dev_set_size: int = 0  # conversations a category in the development sets (``train/devsets.py``); 0: none
-    dev_doc_tokens: int = 4000  # the longest documents of those sets, in tokens (the shortest a quarter of it)
+    category_prompts: int = 0  # training conversations a category made the same way from training records
+    doc_tokens: int = 4000  # the longest documents of both, in tokens (the shortest a quarter of it)
     export_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -101,8 +104,12 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not 1 <= self.eval_draft_len <= MAX_DRAFT_LEN:  # checked now, not after hours of training
             raise ValueError(f"--eval-draft-len must be in [1, {MAX_DRAFT_LEN}], got {self.eval_draft_len}")
-        if self.dev_set_size < 0 or self.dev_doc_tokens < 4:
-            raise ValueError("--dev-set-size must be >= 0 and --dev-doc-tokens >= 4")
+        if min(self.dev_set_size, self.category_prompts, self.batch_tokens) < 0 or self.doc_tokens < 4:
+            raise ValueError("--dev-set-size, --category-prompts and --batch-tokens must be >= 0, --doc-tokens >= 4")
+        if self.category_prompts and self.doc_tokens + self.gen_max_tokens > self.max_seq_len:
+            raise ValueError(f"--category-prompts trains on documents of up to --doc-tokens {self.doc_tokens} tokens "
+                             f"and responses of up to --gen-max-tokens {self.gen_max_tokens}: give --max-seq-len at "
+                             f"least {self.doc_tokens + self.gen_max_tokens} (now {self.max_seq_len})")
         if self.eval_max_tokens < 1:
             raise ValueError("--eval-max-tokens must be >= 1")
         for name in ("eval_max_prompts", "max_prompts", "warmup", "draft_vocab", "gen_temperature"):

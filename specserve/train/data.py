@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -45,7 +46,7 @@ def load_data(paths: list[str]) -> dict:
                 held.append(h)
     for p, d in zip(paths, files):
         if "train_prompts" in d:
-            clash = union.intersection(p.strip() for p in d["train_prompts"])
+            clash = union.intersection(prompt_key(p) for p in d["train_prompts"])
             if clash:
                 raise ValueError(f"--data {p} trained on {len(clash)} prompt(s) another file holds out, e.g. "
                                  f"{next(iter(clash))[:60]!r}")
@@ -54,6 +55,27 @@ def load_data(paths: list[str]) -> dict:
                              "same prompt files, --holdout and --seed; --gen-seed changes the sampling only)")
     return {"train": [s for d in files for s in d["train"]], "holdout_prompts": held,
             "gen_seconds": sum(d.get("gen_seconds") or 0.0 for d in files)}
+
+
+def prompt_key(p) -> str:
+    """A training prompt (a user message, or a conversation: a list of messages) as a comparable string."""
+    return p.strip() if isinstance(p, str) else json.dumps(p)
+
+
+def sample_batch(rng: random.Random, seqs: list[dict], batch_size: int, batch_tokens: int, max_len: int) -> list[int]:
+    """Indices of a step's sequences, drawn with replacement: ``batch_size`` of them, or with ``batch_tokens``
+    fewer where the batch padded to its longest sequence (cut to ``max_len``) would pass that many tokens (at
+    least one)."""
+    idx: list[int] = []
+    longest = 0
+    while len(idx) < batch_size:
+        i = rng.randrange(len(seqs))
+        n = min(max_len, len(seqs[i]["prompt_ids"]) + len(seqs[i]["response_ids"]))
+        if batch_tokens and idx and (len(idx) + 1) * max(longest, n) > batch_tokens:
+            break
+        idx.append(i)
+        longest = max(longest, n)
+    return idx
 
 
 def make_batch(data: list[dict], idx: list[int], max_len: int, device) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,5 @@
-"""Development sets by category, built from the prompt files at hand and kept apart from training.
+"""Conversations by category, built from the prompt files at hand: development sets kept apart from training, and
+training prompts of the same kinds (``--category-prompts``, from the training records only).
 
 A head's acceptance depends on what users send: short chat, code, long documents to summarize or question,
 conversations of several turns, rewriting and extraction over a text, translation, arithmetic word problems. Each
@@ -61,9 +62,11 @@ def response_of(rec) -> str | None:
 
 
 def build_dev_sets(files: list[str | Path], allowed: set[str], per_category: int, seed: int = 0,
-                   doc_tokens: tuple[int, int] = (1000, 4000)) -> dict[str, list[list[dict]]]:
+                   doc_tokens: tuple[int, int] = (1000, 4000), as_is: bool = True) -> dict[str, list[list[dict]]]:
     """Category -> up to ``per_category`` conversations built from the records of ``files`` whose prompt is in
-    ``allowed`` (never trained on); documents of about ``doc_tokens`` tokens (a range, drawn per document)."""
+    ``allowed`` (development sets: never trained on; training's ``--category-prompts``: its training prompts);
+    documents of about ``doc_tokens`` tokens (a range, drawn per document). ``as_is`` False leaves out the
+    categories of records taken as they are (training has them already)."""
     rng = random.Random(seed)
     sets: dict[str, list[list[dict]]] = {}
     texts: list[tuple[str, str]] = []  # (instruction, response) pairs of allowed records
@@ -81,7 +84,7 @@ def build_dev_sets(files: list[str | Path], allowed: set[str], per_category: int
                 texts.append((prompt, resp))
     for cat in list(sets):
         rng.shuffle(sets[cat])
-        sets[cat] = sets[cat][:per_category]
+        sets[cat] = sets[cat][:per_category] if as_is else []
     if texts:
         for cat in TEXT_CATEGORIES:
             sets[cat] = [_text_task(cat, texts, rng, doc_tokens) for _ in range(per_category)]

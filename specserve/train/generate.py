@@ -25,8 +25,9 @@ log = logging.getLogger("specserve")
 RESPOND, ASK = "respond", "ask"
 
 
-def regenerate(cfg: "TrainConfig", prompts: list[str]) -> list[dict]:
-    """Responses of the target to ``prompts`` -> [{"prompt_ids", "response_ids"}] (failed or empty ones dropped)."""
+def regenerate(cfg: "TrainConfig", prompts: list) -> list[dict]:
+    """Responses of the target to ``prompts`` (user messages, or conversations: lists of messages ending with the
+    user's) -> [{"prompt_ids", "response_ids"}] (failed or empty ones dropped)."""
     return [d for d in _sharded(cfg, prompts, RESPOND) if d is not None]
 
 
@@ -106,7 +107,8 @@ def _shard(cfg: "TrainConfig", indexed: list[tuple[int, str]], worker: int, work
     seed = cfg.seed if cfg.gen_seed is None else cfg.gen_seed
     stop: list[int] = []
     if kind == RESPOND:
-        reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}])} for _, p in indexed]
+        reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str)
+                                                             else p)} for _, p in indexed]
         temperature, max_tokens = cfg.gen_temperature, cfg.gen_max_tokens
     else:
         pre = pre_query_ids(tok)  # + the opener's tokens: the message continues it

@@ -46,7 +46,7 @@ def evaluate(cfg, head_dir: Path, holdout: list[str]) -> dict:
     if cfg.dev_set_size:  # from records never trained on: held-out prompts, evaluation files' prompts
         allowed = set(holdout) | {p for ps in list(sets.values()) for p in ps}
         dev = build_dev_sets(list(cfg.prompts) + list(cfg.eval_prompts), allowed, cfg.dev_set_size, cfg.seed,
-                             (max(1, cfg.dev_doc_tokens // 4), cfg.dev_doc_tokens))
+                             (max(1, cfg.doc_tokens // 4), cfg.doc_tokens))
         sets.update({f"dev/{cat}": convs for cat, convs in dev.items()})
     return {name: acceptance(cfg.target, cfg.method, head_dir, ps, cfg.eval_draft_len, cfg.eval_max_tokens,
                              cfg.device) for name, ps in sets.items()}

@@ -30,7 +30,8 @@ from specserve.speculative.config import default_eagle3_layers
 from specserve.speculative.heads import DraftHead, Eagle3Head, MTPHead
 from specserve.train.attention import DenseCausal, TrainingTimeTest
 from specserve.train.config import TrainConfig  # also importable from here, as before the move
-from specserve.train.data import load_data, make_batch, split_prompts
+from specserve.train.data import load_data, make_batch, sample_batch, split_prompts
+from specserve.train.devsets import build_dev_sets
 from specserve.train.generate import regenerate, synthesize_prompts  # noqa: F401 (regenerate: public here)
 from specserve.train.prompts import read_prompts
 
@@ -211,7 +212,7 @@ def _lr(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
 # a run resumed in the same --out must keep them (steps, learning rate and time limits may change)
 DATA_OPTIONS = ("target", "prompts", "max_prompts", "holdout", "seed", "gen_max_tokens", "gen_temperature",
                 "gen_seed", "gen_dtype", "synthetic_prompts", "synthetic_temperature", "synthetic_max_tokens",
-                "synthetic_openers")
+                "synthetic_openers", "category_prompts", "doc_tokens")
 HEAD_OPTIONS = ("target", "method", "data", "draft_vocab", "draft_vocab_shared", "aux_layers")
 
 
@@ -274,6 +275,11 @@ def train(cfg: TrainConfig) -> dict:
         t0 = time.perf_counter()
         train_p, hold_p = split_prompts(cfg) if cfg.prompts else ([], [])
         split = {"train": train_p, "holdout": hold_p}
+        if cfg.category_prompts and cfg.prompts and not cfg.data:  # from training records only
+            made = build_dev_sets(cfg.prompts, set(train_p), cfg.category_prompts, cfg.seed + 1,
+                                  (max(1, cfg.doc_tokens // 4), cfg.doc_tokens), as_is=False)
+            split.update(train=train_p + [c for convs in made.values() for c in convs],
+                         category_prompts={cat: len(convs) for cat, convs in made.items()})
         if cfg.synthetic_prompts and not cfg.data:
             exclude = set(hold_p) | set(read_prompts(cfg.eval_prompts) if cfg.eval_prompts else [])
             synth = synthesize_prompts(cfg, exclude)
@@ -290,7 +296,7 @@ def train(cfg: TrainConfig) -> dict:
     else:
         t0 = time.perf_counter()
         data = {"train": regenerate(cfg, split["train"]), "holdout_prompts": split["holdout"],
-                "train_prompts": split["train"]}
+                "train_prompts": split["train"], "category_prompts": split.get("category_prompts", {})}
         data["gen_seconds"] = time.perf_counter() - t0 + split.get("synth_seconds", 0.0)
         torch.save(data, data_path)
     seqs = data["train"]
@@ -339,7 +345,7 @@ def train(cfg: TrainConfig) -> dict:
             _save_checkpoint(ckpt, head, opt, step, history, elapsed())
             break
         rng = random.Random(cfg.seed * 1_000_003 + step)  # batch of step n is the same after a resume
-        idx = [rng.randrange(len(seqs)) for _ in range(cfg.batch_size)]
+        idx = sample_batch(rng, seqs, cfg.batch_size, cfg.batch_tokens, cfg.max_seq_len)
         tokens, lengths, starts = make_batch(seqs, idx, cfg.max_seq_len, device)
         hidden, aux = target_features(target, head, tokens)
         for g in opt.param_groups:
