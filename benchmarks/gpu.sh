@@ -70,6 +70,13 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                the call that completes TIME_LIMIT exports and evaluates; heads come back as $OUT/METHOD.tar
   vocab        the shipped head restricted to draft vocabularies of VOCABS (4096 8192 16384) of the target's
                lm_head rows (needs regen-gpteacher), evaluated
+  regen-categories  CAT_COUNT (300) training conversations a category (long documents up to 4,000 tokens to
+               summarize and question, multi-turn, rewriting, extraction, translation, math) from the GPTeacher
+               training records, answered greedily, with the GPTeacher responses of regen-gpteacher's split ->
+               /root/regen-categories (train on it alone: DATA=/root/regen-categories/data.pt
+               TRAIN_ARGS="--max-seq-len 4400 --batch-tokens 65536")
+  devsets      the shipped heads (or HEAD_eagle3 / HEAD_mtp) on development sets of DEV_N (32) conversations a
+               category from the held-out records (needs regen-gpteacher), D = 4, greedy
 
 LIMIT=S overrides every stage's limit.  Give the device call at least the sum of its stages' limits, and do not
 pipe the runner through `tail` (a killed call then returns no output).  Examples:
@@ -83,7 +90,7 @@ EOF
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap overlaprand adaptive adaptiverand scale1 scaleall
- steps profile host attention regen-gpteacher regen regen-openers regen-code train vocab "
+ steps profile host attention regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
 OUT=${OUT:-/tmp/out}
@@ -264,6 +271,18 @@ for st in "$@"; do
                --draft-vocab $n --draft-vocab-shared --steps 0 2>&1 | quiet | tail -3
              cp /root/vocab-$n/report.json $OUT/report-vocab-$n.json
            done ;;
+    regen-categories) need_model && regen categories 500 "${PROMPTS[@]}" --holdout 0.25 --max-prompts 2824 \
+                        --category-prompts "${CAT_COUNT:-300}" --doc-tokens 4000 --max-seq-len 4400 \
+                        --gen-workers 8 --gen-max-tokens 256 ;;
+    devsets) need_model && for m in eagle3 mtp; do echo "--- $m"
+               init=specserve/heads/smollm2-135m-eagle3; [ $m = mtp ] && init=specserve/heads/smollm2-135m-mtp-eagle
+               init_var=HEAD_$m
+               timeout "$(lim 280)" python3 -m specserve.cli train-draft --target $M --method $m --out /root/dev-$m \
+                 "${PROMPTS[@]}" --data /root/regen-gpteacher/data.pt --init-from "${!init_var:-$init}" --steps 0 \
+                 --eval-max-prompts 1 --dev-set-size "${DEV_N:-32}" --doc-tokens 4000 2>&1 | quiet | tail -3
+               cp /root/dev-$m/report.json $OUT/report-dev-$m.json
+               cp /root/dev-$m/acceptance-by-category.png $OUT/dev-$m.png
+             done ;;
     *) echo "unknown stage: $st" >&2; usage >&2; exit 2 ;;
   esac
 done
