@@ -21,9 +21,11 @@ from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import correct_record, correct_record_ref, expand_record, expand_record_ref
+from specserve.kernels.tree_accept import tree_greedy_accept
 from specserve.runner.sampler import SamplingTensors
 from specserve.speculative.tree import tree_layout
 from specserve.speculative import accept as spec_accept
+from specserve.speculative.tree_accept import accept_greedy_ref
 
 
 @kernel_check
@@ -325,7 +327,38 @@ def check_draft_inputs(device, dtype):
 
 
 
-CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_argmax,
+@kernel_check
+def check_tree_accept(device, dtype):
+    """Exact: random trees of N = 1..63 nodes and depth D <= 6 (parents before children), tokens that match the
+    argmax at their parent 70% of the time, rows verifying fewer nodes, rows that cannot accept."""
+    del dtype  # integer work
+    g = torch.Generator().manual_seed(8)
+    for n, d in ((1, 1), (6, 3), (24, 6), (63, 6)) if not QUICK else ((6, 3), (24, 6)):
+        b = 48
+        parents = torch.zeros(b, n, dtype=torch.int64)
+        depth = torch.zeros(b, n + 1, dtype=torch.int64)
+        for c in range(1, n + 1):  # a parent among the earlier columns shallower than D
+            ok = depth[:, :c] < d
+            pick = torch.multinomial(ok.float(), 1, generator=g)[:, 0]
+            parents[:, c - 1] = pick
+            depth[:, c] = depth.gather(1, pick[:, None])[:, 0] + 1
+        argmax = torch.randint(0, 4, (b, n + 1), generator=g)
+        nodes = torch.where(torch.rand(b, n, generator=g) < 0.7, argmax.gather(1, parents),
+                            torch.randint(0, 4, (b, n), generator=g))
+        num = torch.randint(0, n + 1, (b,), generator=g)
+        can = torch.rand(b, generator=g) < 0.9
+        args = [x.to(device) for x in (argmax, nodes, parents, num, can)]
+        got = tree_greedy_accept(*args, d)
+        assert got is not None, "the tree acceptance kernel did not run"
+        valid = (torch.arange(n, device=device)[None, :] < args[3][:, None]) & args[4][:, None]
+        ref = accept_greedy_ref(args[0], args[1], args[2], valid, d)
+        for name, x, y in zip(("accepted", "path", "emitted"), got, (ref.accepted, ref.path, ref.emitted)):
+            assert torch.equal(x, y), f"tree accept {name}, N={n} D={d}"
+        assert int(ref.accepted.max()) >= min(d, 2), "the check should reach deep paths"
+
+
+CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_tree_accept,
+          check_argmax,
           check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows, check_qkv_rope,
           check_qkv_rows, check_norm_fold, check_attn_merge_fold]
 

@@ -21,6 +21,7 @@ import torch
 
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.step_inputs import node_depths
+from specserve.kernels.tree_accept import tree_greedy_accept
 from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 from specserve.speculative.accept import AcceptInputs, _uniform_scalar
 
@@ -42,10 +43,13 @@ def accept_tree(logits: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor
     parents [B, N]; num_nodes [B] (nodes past a row's count are not verified); at most ``topk`` children a node
     -> the accepted path per row."""
     b, n1, v = logits.shape
-    dev = logits.device
-    cols = torch.arange(n1 - 1, device=dev)
+    argmax = argmax_lastdim(logits)  # [B, N+1]
+    fast = tree_greedy_accept(argmax, nodes, parents, num_nodes, a.can_accept, depth)  # one kernel on the GPU
+    if fast is not None and a.simple_greedy:
+        return TreeResult(*fast)
+    cols = torch.arange(n1 - 1, device=logits.device)
     valid = (cols[None, :] < num_nodes[:, None]) & a.can_accept[:, None]  # [B, N]
-    greedy = _accept_greedy(argmax_lastdim(logits), nodes, parents, valid, depth)
+    greedy = TreeResult(*fast) if fast is not None else accept_greedy_ref(argmax, nodes, parents, valid, depth)
     if a.simple_greedy:
         return greedy
     sampled = _accept_sampled(logits, nodes, parents, valid, depth, topk, a)
@@ -55,8 +59,9 @@ def accept_tree(logits: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor
                       torch.where(pick[:, None], greedy.emitted, sampled.emitted))
 
 
-def _accept_greedy(argmax: torch.Tensor, nodes, parents, valid, depth: int) -> TreeResult:
-    """argmax [B, N+1] -> the deepest node whose path matches the argmax at every step."""
+def accept_greedy_ref(argmax: torch.Tensor, nodes, parents, valid, depth: int) -> TreeResult:
+    """argmax [B, N+1], valid [B, N] -> the deepest node whose path matches the argmax at every step (ties: the
+    first column of that depth); ``kernels.tree_accept`` computes the same in one kernel."""
     b = argmax.shape[0]
     match = (nodes == argmax.gather(1, parents)) & valid  # [B, N]
     ok = torch.ones_like(argmax, dtype=torch.bool)  # [B, N+1]
