@@ -296,28 +296,34 @@ class TreeSpeculator(SpeculatorBase):
         lp = head.logits(0, last).log_softmax(dim=-1)  # [B, V']
         score, idx = lp.topk(k, dim=-1)  # [B, k]
         tok = self._target_ids(idx)
-        cand_tok, cand_par, cand_score, cand_depth = [tok], [torch.full_like(tok, -1)], [score], [torch.ones_like(tok)]
+        cand_tok, cand_par, cand_score = [tok], [torch.full_like(tok, -1)], [score]
         f_id = torch.arange(k, device=dev).expand(b, k)  # the frontier's candidate ids
         # copies, not broadcast views: the kernels read a row of positions or hidden states per token
         f_tok, f_score, f_hidden = tok, score, last.repeat_interleave(k, dim=0).view(b, k, -1)
         f_bits = torch.zeros(b, k, dtype=torch.int64, device=dev)
         base = last_pos + 1  # [B]: the first scratch slot's position
         tables = meta.block_tables.repeat_interleave(k, dim=0)  # [B * k, M]
-        jj = torch.arange(k, device=dev)
+        # every depth's scratch columns, positions, slots and RoPE positions at once (a few kernels, not a few a
+        # depth), laid out [depth, B * k] so that each depth reads contiguous rows
+        steps = self.draft_len - 1
+        col = torch.arange(steps * k, device=dev).view(steps, 1, k)  # [D-1, 1, k]
+        col_bit = 1 << col  # [D-1, 1, k]
+        spos = (base[None, :, None] + col).clamp(max=self.max_pos)  # [D-1, B, k]
+        blk = meta.block_tables.gather(1, (spos // bs).clamp(max=meta.block_tables.shape[1] - 1).permute(1, 0, 2)
+                                       .reshape(b, -1)).view(b, steps, k).transpose(0, 1)
+        slot = torch.where(ok[None, :, None], blk * bs + spos % bs, PAD_BLOCK * bs).reshape(steps, b * k)
+        rope = (last_pos[None, :] + torch.arange(1, steps + 1, device=dev)[:, None]).clamp(
+            max=self.max_pos).repeat_interleave(k, dim=1)  # [D-1, B * k], a copy (kernels read a row a token)
+        spos = spos.reshape(steps, b * k, 1)
+        flat = torch.arange(b * k, device=dev)
+        tree_base = base.repeat_interleave(k)
         next_id = k
         for depth in range(1, self.draft_len):
-            col = (depth - 1) * k + jj  # [k] scratch columns of this depth's frontier
-            bits = f_bits | (1 << col)[None, :]  # [B, k]
-            spos = (base[:, None] + col[None, :]).clamp(max=self.max_pos)  # [B, k] scratch slot positions
-            blk = meta.block_tables.gather(1, (spos // bs).clamp(max=meta.block_tables.shape[1] - 1))
-            slot = torch.where(ok[:, None], blk * bs + spos % bs, PAD_BLOCK * bs).reshape(-1)
-            rope = (last_pos + depth).clamp(max=self.max_pos).repeat_interleave(k)  # [B * k]
-            flat = torch.arange(b * k, device=dev)
-            m = AttentionMetadata(slot_mapping=slot, block_tables=tables, query_index=flat[:, None],
-                                  query_pos=spos.reshape(-1, 1), flat_index=flat, sliding_window=meta.sliding_window,
-                                  backend=meta.backend, tree_bits=bits.reshape(-1, 1),
-                                  tree_base=base.repeat_interleave(k))
-            out = head.run_module(depth, f_tok.reshape(-1), rope, f_hidden.reshape(b * k, -1), m,
+            bits = f_bits | col_bit[depth - 1]  # [B, k]
+            m = AttentionMetadata(slot_mapping=slot[depth - 1], block_tables=tables, query_index=flat[:, None],
+                                  query_pos=spos[depth - 1], flat_index=flat, sliding_window=meta.sliding_window,
+                                  backend=meta.backend, tree_bits=bits.reshape(-1, 1), tree_base=tree_base)
+            out = head.run_module(depth, f_tok.reshape(-1), rope[depth - 1], f_hidden.reshape(b * k, -1), m,
                                   self.head_kv[head.kv_layer(depth)])  # [B * k, H]
             lp = head.logits(depth, out).log_softmax(dim=-1)  # [B * k, V']
             s, i = lp.topk(k, dim=-1)
@@ -326,7 +332,6 @@ class TreeSpeculator(SpeculatorBase):
             cand_tok.append(child_tok)
             cand_par.append(f_id.repeat_interleave(k, dim=1))
             cand_score.append(child_score)
-            cand_depth.append(torch.full_like(child_tok, depth + 1))
             _, pick = child_score.topk(k, dim=-1)  # [B, k] the next frontier, among the children
             parent = pick // k
             f_id = next_id + pick
@@ -335,8 +340,20 @@ class TreeSpeculator(SpeculatorBase):
             f_hidden = out.view(b, k, -1).gather(1, parent[..., None].expand(b, k, out.shape[-1]))
             f_bits = bits.gather(1, parent)
             next_id += k * k
+        # each candidate's depth: k at depth 1, then k * k a depth
+        cand_depth = self._candidate_depths(k, dev).expand(b, -1)
         return self._select(torch.cat(cand_tok, 1), torch.cat(cand_par, 1), torch.cat(cand_score, 1),
-                            torch.cat(cand_depth, 1), self.num_nodes if k > 1 else self.draft_len)
+                            cand_depth, self.num_nodes if k > 1 else self.draft_len)
+
+    def _candidate_depths(self, k: int, dev) -> torch.Tensor:
+        """[1, C]: the depth of each expansion candidate (k at depth 1, then k * k at each depth), made once."""
+        key = (k, str(dev))
+        cache = self.__dict__.setdefault("_depths", {})
+        if key not in cache:
+            with torch.inference_mode(False):
+                d = [1] * k + [depth + 1 for depth in range(1, self.draft_len) for _ in range(k * k)]
+                cache[key] = torch.tensor([d], dtype=torch.int64, device=dev)
+        return cache[key]
 
     @staticmethod
     def _select(tok, par, score, depth, n: int) -> tuple[torch.Tensor, torch.Tensor]:
