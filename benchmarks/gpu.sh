@@ -50,8 +50,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   steps        decode, verify and draft-loop CUDA-graph replays (`bench --steps 1`, forced acceptance 2.58)
                at each context in CTX (512), one process per tree in TREES (".": this tree; another
                directory holds another commit's copy, e.g. TREES=". .old"), REPS (1) times alternating
-  profile      profile_step.py graph timelines at context CTX (256), speculative and plain, kernel by kernel
-               (JSON in $OUT/profile-*.json; `profile_step.py --summarize FILE` gives a layer's costs)
+  profile      profile_step.py graph timelines at context CTX (256), speculative and plain (and with TREE=KxDxN
+               a tree too), kernel by kernel (JSON in $OUT/profile-*.json; `profile_step.py --summarize FILE` gives a
+               layer's costs)
   host         profile_host.py on the real model and HEAD with device events (host time per step)
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
  training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
@@ -243,7 +244,8 @@ for st in "$@"; do
                 --max-tokens 128 --num-prompts 8 --repeats 3 --kv-cache-memory 24000000000 --steps 1 \
                 --out $OUT/scaleall | tail -30 ;;
     steps) steps ;;
-    profile) for s in spec plain; do a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
+    profile) for s in spec plain ${TREE:+tree}; do a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
+               [ $s = tree ] && a=(--draft random --tree "$TREE")
                timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" --graphs \
                  --timeline --context "${CTX:-256}" --top 45 --json $OUT/profile-$s.json 2>&1 | quiet | tail -60
              done ;;

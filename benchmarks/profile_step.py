@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import torch
 
+from specserve.bench.run import tree_shape
 from specserve.bench.timeline import format_layer_costs
 
 
@@ -92,6 +93,8 @@ def main() -> None:
     ap.add_argument("--method", default="eagle3")
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--forced-acceptance", type=float, default=None)
+    ap.add_argument("--tree", default=None, metavar="KxDxN",
+                    help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`)")
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
@@ -113,6 +116,9 @@ def main() -> None:
     spec = None
     if not a.no_spec:
         spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len)
+        if a.tree:
+            k, spec["max_draft_len"], n = tree_shape(a.tree)
+            spec.update(topk=k, max_total_draft_tokens=n)
         if a.forced_acceptance is not None:
             spec["forced_acceptance"] = a.forced_acceptance
     kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
@@ -120,7 +126,7 @@ def main() -> None:
               max_num_batched_tokens=max(2048, a.context + 1), **kw)
     res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline)
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
-          f"(batch {a.batch}, context {a.context}, {'no speculation' if a.no_spec else f'D = {a.draft_len}'})")
+          f"(batch {a.batch}, context {a.context}, {'no speculation' if a.no_spec else f'tree {a.tree}' if a.tree else f'D = {a.draft_len}'})")
     print(f"device timeline per step: {res['span_us_per_step']:.0f} us, of which gaps between a step's kernels "
           f"{res['gaps_in_steps_us_per_step']:.0f} us and idle (> 40 us, the host) {res['idle_us_per_step']:.0f} us")
     for k in res["kernels"][:a.top]:

@@ -21,11 +21,11 @@ from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import correct_record, correct_record_ref, expand_record, expand_record_ref
-from specserve.kernels.tree_accept import tree_greedy_accept
+from specserve.kernels.tree_accept import tree_compact_kv, tree_greedy_accept
 from specserve.runner.sampler import SamplingTensors
 from specserve.speculative.tree import tree_layout
 from specserve.speculative import accept as spec_accept
-from specserve.speculative.tree_accept import accept_greedy_ref
+from specserve.speculative.tree_accept import accept_greedy_ref, compact_path_kv_ref
 
 
 @kernel_check
@@ -357,7 +357,31 @@ def check_tree_accept(device, dtype):
         assert int(ref.accepted.max()) >= min(d, 2), "the check should reach deep paths"
 
 
+@kernel_check
+def check_tree_compact(device, dtype):
+    """Exact: each row's accepted path moved to the positions after its root in every layer's keys and values
+    (paths whose nodes sit where an earlier depth's node lands, rows accepting nothing, block tables out of order;
+    rows own their blocks, as in the engine), and nothing else written."""
+    g = torch.Generator().manual_seed(9)
+    layers, blocks, bs, b, d = 3, 24, 4, 6, 4
+    kv = torch.randn(layers, 2, blocks, bs, 2, 8, generator=g).to(device, dtype)
+    tables = torch.randperm(blocks, generator=g).view(b, 4)  # [B, 4]: 16 positions a row, blocks of its own
+    root = torch.randint(0, 8, (b,), generator=g)
+    steps = torch.randint(1, 3, (b, d), generator=g)  # column gaps: the node at depth i at column >= i
+    path = steps.cumsum(dim=1)
+    path[0] = torch.tensor([2, 3, 4, 5])  # each node lands where the previous depth's node was
+    acc = torch.tensor([4, 0, 2, 1, 3, 4])
+    args = [x.to(device) for x in (tables, root, path, acc)]
+    ref = kv.clone()
+    compact_path_kv_ref(ref, *args, bs)
+    got = kv.clone()
+    assert tree_compact_kv(got, *args, bs), "the KV compaction kernel did not run"
+    assert torch.equal(got, ref), "tree KV compaction"
+    assert not torch.equal(ref, kv), "the check should move something"
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_tree_accept,
+          check_tree_compact,
           check_argmax,
           check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows, check_qkv_rope,
           check_qkv_rows, check_norm_fold, check_attn_merge_fold]

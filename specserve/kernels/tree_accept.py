@@ -1,4 +1,5 @@
-"""Greedy acceptance of a draft tree in one kernel (``speculative.tree_accept.accept_greedy_ref`` is its reference).
+"""A draft tree's greedy acceptance, and its accepted path's KV moved into place, one kernel each (their references:
+``speculative.tree_accept.accept_greedy_ref`` and ``compact_path_kv_ref``).
 
 Per row, one program over the tree's columns (the root, 0, and N nodes): a node is accepted when it and every
 ancestor below the root match the target's argmax at their parent; the deepest accepted node (the first column of
@@ -6,6 +7,11 @@ that depth) ends the path, and the bonus is the argmax there. The ancestors are 
 D times from every column at once (reads only, so the program needs no shared scratch), the path by walking up
 from the deepest node. The PyTorch version takes about a hundred small kernels a step; in a CUDA-graph step of a
 small model each costs about what its work does.
+
+The path's KV: the node at depth i moves from its column to the position root + i in every layer. A program owns
+one row and one layer's keys or values and moves depth 1, 2, ... in turn: a move writes only a position that no
+later depth reads (a later depth's node sits at a column past it), and each thread reads and writes the same
+elements of every slot, so the program needs no barrier.
 """
 
 from __future__ import annotations
@@ -42,7 +48,46 @@ def tree_greedy_accept(argmax: torch.Tensor, nodes: torch.Tensor, parents: torch
     return out[:, 0], out[:, 1:1 + depth], out[:, 1 + depth:]
 
 
+def tree_compact_kv(kv: torch.Tensor, block_tables: torch.Tensor, root_pos: torch.Tensor, path: torch.Tensor,
+                    accepted: torch.Tensor, block_size: int) -> bool:
+    """``compact_path_kv_ref`` in one kernel: kv [layers, 2, blocks, block_size, Hkv, Dh] (contiguous), block_tables
+    [B, M], root_pos [B], path [B, D], accepted [B] -> True, or False where the kernel does not run."""
+    b, d = path.shape
+    if not use_triton(kv) or not kernel_usable("tree_compact") or not kv.is_contiguous() or d == 0:
+        return False
+    width = kv.shape[-2] * kv.shape[-1]  # elements of one slot of one layer's keys or values
+    block_tables, root_pos, path, accepted = (x.contiguous() for x in (block_tables, root_pos, path, accepted))
+    try:
+        if b:
+            _compact_kernel[(b, kv.shape[0] * 2)](
+                kv, block_tables, root_pos, path, accepted, block_tables.shape[1], kv.shape[2] * block_size * width,
+                BS=block_size, D=d, W=width, BW=triton.next_power_of_2(width), **kernel_args(kv))
+    except Exception as e:  # noqa: BLE001 (a kernel this Triton cannot build: the reference runs instead)
+        kernel_failed("tree_compact", e)
+        return False
+    return True
+
+
 if HAVE_TRITON:
+    @triton.jit
+    def _compact_kernel(KV, TABLES, ROOT, PATH, ACC, M, s_part, BS: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                        BW: tl.constexpr, PDL: tl.constexpr):
+        pdl_begin(PDL)
+        pdl_wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        part = KV + tl.program_id(1).to(tl.int64) * s_part  # one layer's keys or values [blocks * BS, W]
+        e = tl.arange(0, BW)
+        root = tl.load(ROOT + row)
+        acc = tl.load(ACC + row)
+        for i in range(1, D + 1):
+            if i <= acc:
+                src = root + tl.load(PATH + row * D + i - 1)
+                dst = root + i
+                s_blk = tl.load(TABLES + row * M + tl.minimum(src // BS, M - 1))
+                d_blk = tl.load(TABLES + row * M + tl.minimum(dst // BS, M - 1))
+                x = tl.load(part + (s_blk * BS + src % BS) * W + e, mask=e < W)
+                tl.store(part + (d_blk * BS + dst % BS) * W + e, x, mask=e < W)
+
     @triton.jit
     def _match(ARGMAX, NODES, PARENTS, row, col, nn, can, N: tl.constexpr):
         """Whether node column ``col`` [BN] (>= 1) is a valid node whose token is the argmax at its parent."""

@@ -21,7 +21,7 @@ import torch
 
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.step_inputs import node_depths
-from specserve.kernels.tree_accept import tree_greedy_accept
+from specserve.kernels.tree_accept import tree_compact_kv, tree_greedy_accept
 from specserve.runner.sampler import SamplingTensors, hash32, processed_logits, uniform_noise
 from specserve.speculative.accept import AcceptInputs, _uniform_scalar
 
@@ -153,6 +153,13 @@ def _sibling_uniform(seeds: torch.Tensor, offsets: torch.Tensor, rank: int) -> t
 
 def compact_path_kv(kv: torch.Tensor, block_tables: torch.Tensor, root_pos: torch.Tensor, path: torch.Tensor,
                     accepted: torch.Tensor, block_size: int) -> None:
+    """``compact_path_kv_ref``, in one kernel on the GPU (``kernels.tree_accept.tree_compact_kv``)."""
+    if not tree_compact_kv(kv, block_tables, root_pos, path, accepted, block_size):
+        compact_path_kv_ref(kv, block_tables, root_pos, path, accepted, block_size)
+
+
+def compact_path_kv_ref(kv: torch.Tensor, block_tables: torch.Tensor, root_pos: torch.Tensor, path: torch.Tensor,
+                        accepted: torch.Tensor, block_size: int) -> None:
     """Move the accepted path's KV in every layer of ``kv`` [layers, 2, blocks, block_size, Hkv, Dh] (contiguous)
     from its nodes' columns to the positions after the root: the node at depth i (column path[i-1], slot of root_pos
     + column) to root_pos + i; one gather and one scatter for all layers. Rows past their path copy the pad slot
