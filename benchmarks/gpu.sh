@@ -112,10 +112,14 @@ lim() { echo "${LIMIT:-$1}"; }
 # GPU tests, one line per test as it ends
 vtest() { local t=$1; shift; timeout "$t" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider "$@" 2>&1 \
           | grep --line-buffered -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E "; }
-bench() { local t=$1; shift; timeout "$t" python3 -m specserve.cli bench "$@" 2>&1 | quiet; }  # bench LIMIT ARGS
+# bench LIMIT ARGS; a fixed KV cache (KV bytes, 4 GB) unless the stage gives one: a share of the free memory would
+# depend on what an earlier call left running
+bench() { local t=$1 kv=(); shift; [[ " $* " == *" --kv-cache-memory "* ]] || kv=(--kv-cache-memory "${KV:-4000000000}")
+          timeout "$t" python3 -m specserve.cli bench "$@" "${kv[@]}" 2>&1 | quiet; }
 need_model() { [ -f $M ] || { echo "no $M: carry the parts and run the model stage first" >&2; return 1; }; }
 RANDOM_STEPS=(--model random:smollm2-135m --draft random --draft-len 4 --forced-acceptance 2.58 --ignore-eos
-              --random-input-len 256 --batch-size 1 --max-tokens 32 --num-prompts 1 --repeats 1 --steps 1)
+              --random-input-len 256 --batch-size 1 --max-tokens 32 --num-prompts 1 --repeats 1 --steps 1
+              --kv-cache-memory 4000000000)
 PROMPTS=(--prompts $D/gpteacher-codegen-instruct.json $D/gpteacher-roleplay-instruct.json
          $D/gpteacher-toolformer-instruct.json --eval-prompts $D/HumanEval.jsonl.gz $D/alpaca-seed-tasks.jsonl)
 OPENERS=(Write Explain Describe Summarize Rewrite Classify Translate Generate List Give Suggest Create Compose
