@@ -487,11 +487,34 @@ def test_development_sets_use_only_records_never_trained_on(tmp_path):
     text = json.dumps(sets)
     assert all(f"MARK{i:03d}" not in text for i in range(1, 40, 2))  # no held-in record's response
     assert sum(f"MARK{i:03d}" in text for i in range(0, 40, 2)) > 5
-    for conv in sets["summarization"] + sets["document-qa"]:
-        assert 300 * CHARS_PER_TOKEN <= len(conv[0]["content"]) <= 2 * 600 * CHARS_PER_TOKEN
+    for conv in sets["summarization"] + sets["document-qa"]:  # within a section (~450 characters) of its length
+        assert 300 * CHARS_PER_TOKEN - 500 <= len(conv[0]["content"]) <= 600 * CHARS_PER_TOKEN + 500
     assert all(len(c) >= 5 and c[1]["role"] == "assistant" for c in sets["multi-turn"])
     assert build_dev_sets([f], allowed, 4, seed=3, doc_tokens=(300, 600)) == sets
     assert build_dev_sets([f], allowed, 4, seed=4, doc_tokens=(300, 600)) != sets
+    # training's conversations (--category-prompts): no as-is category, math from the other templates
+    train_sets = build_dev_sets([f], allowed, 8, seed=3, doc_tokens=(300, 600), development=False)
+    assert "chat" not in train_sets and len(train_sets["math"]) == 8
+    kinds = [{c[0]["content"][:25] for c in v["math"]} for v in (sets, train_sets)]
+    assert not kinds[0] & kinds[1]
+
+
+def test_development_sets_take_every_evaluation_prompt_and_no_trained_one(tmp_path, monkeypatch):
+    """--eval-max-prompts cuts the evaluation sets, not the records the development sets are made of; a prompt
+    that training used is never a development record, even in an evaluation file."""
+    from types import SimpleNamespace
+
+    from specserve.train import report
+
+    f = tmp_path / "alpaca-seed-tasks.jsonl"
+    f.write_text("".join(json.dumps({"instruction": f"Task {i}."}) + "\n" for i in range(10)))
+    monkeypatch.setattr(report, "acceptance", lambda target, method, head, ps, *a: ps)
+    cfg = SimpleNamespace(eval_max_prompts=2, eval_prompts=[str(f)], prompts=[], dev_set_size=20, seed=0,
+                          doc_tokens=400, target=None, method="eagle3", eval_draft_len=4, eval_max_tokens=8, device=None)
+    sets = report.evaluate(cfg, tmp_path, ["Held out."], trained=["Task 3.", [{"role": "user", "content": "x"}]])
+    assert len(sets[f.name]) == 2
+    dev = sorted(c[0]["content"] for c in sets["dev/instructions"])
+    assert dev == sorted(f"Task {i}." for i in range(10) if i != 3)
 
 
 def test_category_prompts_join_training_as_conversations_the_target_answers(dirs, tmp_path):
@@ -506,6 +529,11 @@ def test_category_prompts_join_training_as_conversations_the_target_answers(dirs
                 device="cpu", gen_max_tokens=4, holdout=0.25, doc_tokens=80, max_seq_len=200, regenerate_only=True)
     train(TrainConfig(category_prompts=2, **base))
     data = torch.load(tmp_path / "o" / "data.pt")
+    train(TrainConfig(category_prompts=1, synthetic_prompts=3, synthetic_max_tokens=8,
+                      **dict(base, out=str(tmp_path / "both"))))  # synthesized prompts join them, not replace them
+    both = torch.load(tmp_path / "both" / "data.pt")["train_prompts"]
+    assert sum(isinstance(p, list) for p in both) == 7
+    assert json.loads((tmp_path / "both" / "prompts_split.json").read_text())["synthetic_asked"] == 3
     convs = [p for p in data["train_prompts"] if isinstance(p, list)]
     assert data["category_prompts"] == {"summarization": 2, "document-qa": 2, "multi-turn": 2, "rewriting": 2,
                                         "extraction": 2, "translation": 2, "math": 2}

@@ -54,6 +54,7 @@ def load_data(paths: list[str]) -> dict:
             raise ValueError(f"--data {p}: its held-out prompts differ from the other files' (regenerate with the "
                              "same prompt files, --holdout and --seed; --gen-seed changes the sampling only)")
     return {"train": [s for d in files for s in d["train"]], "holdout_prompts": held,
+            "train_prompts": [p for d in files for p in d.get("train_prompts") or []],
             "gen_seconds": sum(d.get("gen_seconds") or 0.0 for d in files)}
 
 

@@ -12,7 +12,8 @@ trained on (a run's held-out prompts, prompts of evaluation-only files) are used
   response headed by its instruction, to summarize or to answer one section's instruction from (document-qa);
   earlier turns of instruction and response before a new instruction (multi-turn); one response to rewrite, to
   extract names and numbers from, or to translate;
-- math: arithmetic word problems from templates and seeded random numbers.
+- math: arithmetic word problems from templates and seeded random numbers (development and training sets draw from
+  separate halves of the templates).
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def response_of(rec) -> str | None:
 
 
 def build_dev_sets(files: list[str | Path], allowed: set[str], per_category: int, seed: int = 0,
-                   doc_tokens: tuple[int, int] = (1000, 4000), as_is: bool = True) -> dict[str, list[list[dict]]]:
+                   doc_tokens: tuple[int, int] = (1000, 4000), development: bool = True) -> dict[str, list[list[dict]]]:
     """Category -> up to ``per_category`` conversations built from the records of ``files`` whose prompt is in
     ``allowed`` (development sets: never trained on; training's ``--category-prompts``: its training prompts);
-    documents of about ``doc_tokens`` tokens (a range, drawn per document). ``as_is`` False leaves out the
-    categories of records taken as they are (training has them already)."""
+    documents of about ``doc_tokens`` tokens (a range, drawn per document). ``development`` False (training) leaves
+    out the categories of records taken as they are (training has them already), and draws its math problems from
+    the other half of the templates."""
     rng = random.Random(seed)
-    sets: dict[str, list[list[dict]]] = {}
+    prompts: dict[str, dict[str, None]] = {}  # category -> its allowed prompts, once each, in order
     texts: list[tuple[str, str]] = []  # (instruction, response) pairs of allowed records
     for f in files:
         cat = category_of(f)
@@ -76,19 +78,20 @@ def build_dev_sets(files: list[str | Path], allowed: set[str], per_category: int
             prompt = prompt_of(rec)
             if not prompt or prompt not in allowed:
                 continue
-            conv = [{"role": "user", "content": prompt}]
-            if conv not in sets.setdefault(cat, []):
-                sets[cat].append(conv)
+            prompts.setdefault(cat, {})[prompt] = None
             resp = response_of(rec)
             if resp and len(resp) >= MIN_RESPONSE_CHARS:
                 texts.append((prompt, resp))
-    for cat in list(sets):
-        rng.shuffle(sets[cat])
-        sets[cat] = sets[cat][:per_category] if as_is else []
+    sets: dict[str, list[list[dict]]] = {}
+    for cat, ps in prompts.items() if development else ():
+        order = list(ps)
+        rng.shuffle(order)
+        sets[cat] = [[{"role": "user", "content": p}] for p in order[:per_category]]
     if texts:
         for cat in TEXT_CATEGORIES:
             sets[cat] = [_text_task(cat, texts, rng, doc_tokens) for _ in range(per_category)]
-    sets["math"] = [[{"role": "user", "content": _math(rng)}] for _ in range(per_category)]
+    templates = _MATH[0::2] if development else _MATH[1::2]  # no problem of one kind is in both
+    sets["math"] = [[{"role": "user", "content": _math(rng, templates)}] for _ in range(per_category)]
     return {k: v for k, v in sets.items() if v}
 
 
@@ -96,12 +99,12 @@ def _document(texts, rng: random.Random, doc_tokens: tuple[int, int]) -> list[tu
     """Sections (instruction, response) drawn until the document reaches its drawn length (at least two)."""
     want = rng.randint(*doc_tokens) * CHARS_PER_TOKEN
     sections, size = [], 0
-    while size < want or len(sections) < 2:
+    while len(sections) < 4 * len(texts):  # few, short texts: the document stays shorter
         sec = texts[rng.randrange(len(texts))]
+        if len(sections) >= 2 and size + len(sec[0]) + len(sec[1]) > want:  # not past its length
+            break
         sections.append(sec)
         size += len(sec[0]) + len(sec[1])
-        if len(sections) > 4 * len(texts):  # few, short texts: the document stays shorter
-            break
     return sections
 
 
@@ -130,6 +133,6 @@ def _text_task(cat: str, texts, rng: random.Random, doc_tokens: tuple[int, int])
     return [{"role": "user", "content": f"{ask}\n\n{text}"}]
 
 
-def _math(rng: random.Random) -> str:
-    return rng.choice(_MATH).format(a=rng.randint(3, 60), b=rng.randint(2, 40), c=rng.randint(2, 30),
+def _math(rng: random.Random, templates: tuple[str, ...]) -> str:
+    return rng.choice(templates).format(a=rng.randint(3, 60), b=rng.randint(2, 40), c=rng.randint(2, 30),
                                     d=rng.randint(2, 20))

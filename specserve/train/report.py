@@ -35,16 +35,19 @@ def acceptance(target, method: str, head_dir, prompts: list, draft_len: int, max
             "per_position_acceptance": stats.per_position, "draft_len": draft_len}
 
 
-def evaluate(cfg, head_dir: Path, holdout: list[str]) -> dict:
-    """Acceptance on the held-out part of the training prompt files and on each extra eval file."""
+def evaluate(cfg, head_dir: Path, holdout: list[str], trained: list = ()) -> dict:
+    """Acceptance on the held-out part of the training prompt files, on each extra eval file, and on the
+    development sets (``--dev-set-size``: from records of neither ``trained`` prompts nor training files)."""
     n = cfg.eval_max_prompts or None  # 0: every prompt of each set
     sets = {}
     if holdout:
         sets["holdout"] = holdout[:n]
-    for f in cfg.eval_prompts:
-        sets[Path(f).name] = read_prompts([f])[:n]
-    if cfg.dev_set_size:  # from records never trained on: held-out prompts, evaluation files' prompts
-        allowed = set(holdout) | {p for ps in list(sets.values()) for p in ps}
+    files = {f: read_prompts([f]) for f in cfg.eval_prompts}
+    for f, ps in files.items():
+        sets[Path(f).name] = ps[:n]
+    if cfg.dev_set_size:  # held-out prompts and every evaluation file's, less any prompt trained on
+        allowed = (set(holdout) | {p for ps in files.values() for p in ps}) - {p for p in trained
+                                                                                if isinstance(p, str)}
         dev = build_dev_sets(list(cfg.prompts) + list(cfg.eval_prompts), allowed, cfg.dev_set_size, cfg.seed,
                              (max(1, cfg.doc_tokens // 4), cfg.doc_tokens))
         sets.update({f"dev/{cat}": convs for cat, convs in dev.items()})

@@ -277,13 +277,13 @@ def train(cfg: TrainConfig) -> dict:
         split = {"train": train_p, "holdout": hold_p}
         if cfg.category_prompts and cfg.prompts and not cfg.data:  # from training records only
             made = build_dev_sets(cfg.prompts, set(train_p), cfg.category_prompts, cfg.seed + 1,
-                                  (max(1, cfg.doc_tokens // 4), cfg.doc_tokens), as_is=False)
+                                  (max(1, cfg.doc_tokens // 4), cfg.doc_tokens), development=False)
             split.update(train=train_p + [c for convs in made.values() for c in convs],
                          category_prompts={cat: len(convs) for cat, convs in made.items()})
         if cfg.synthetic_prompts and not cfg.data:
             exclude = set(hold_p) | set(read_prompts(cfg.eval_prompts) if cfg.eval_prompts else [])
             synth = synthesize_prompts(cfg, exclude)
-            split.update(train=train_p + synth, synthetic=len(synth), synthetic_asked=cfg.synthetic_prompts,
+            split.update(train=split["train"] + synth, synthetic=len(synth), synthetic_asked=cfg.synthetic_prompts,
                          synthetic_openers=cfg.synthetic_openers,
                          synth_seconds=time.perf_counter() - t0)
         split_path.write_text(json.dumps(split))
@@ -305,6 +305,10 @@ def train(cfg: TrainConfig) -> dict:
         return {"regenerated": len(seqs), "data": str(data_path), "gen_seconds": data.get("gen_seconds")}
     if not seqs:
         raise ValueError("no training sequences: every prompt failed or produced nothing")
+    cut = sum(len(d["prompt_ids"]) >= cfg.max_seq_len for d in seqs)
+    if cut:
+        log.warning("%d of %d sequences have prompts of --max-seq-len %d tokens or more: none of their response is "
+                    "trained on", cut, len(seqs), cfg.max_seq_len)
     holdout = data.get("holdout_prompts", split["holdout"])
 
     low = cfg.target_dtype == "bfloat16"  # head weights and optimizer state stay float32 either way
@@ -386,7 +390,7 @@ def train(cfg: TrainConfig) -> dict:
 
     from specserve.train.report import dev_summary, evaluate, write_report
 
-    evals = evaluate(cfg, head_dir, holdout)
+    evals = evaluate(cfg, head_dir, holdout, trained=data.get("train_prompts", split.get("train", [])))
     report = {"config": asdict(cfg), "train_sequences": len(seqs),
               "train_tokens": sum(len(d["response_ids"]) for d in seqs), "gen_seconds": data.get("gen_seconds"),
               "train_seconds": train_seconds, "steps_done": steps_done, "head_bytes": (head_dir / "model.safetensors").stat().st_size,
