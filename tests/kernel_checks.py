@@ -329,11 +329,11 @@ def check_draft_inputs(device, dtype):
 
 @kernel_check
 def check_tree_accept(device, dtype):
-    """Exact: random trees of N = 1..63 nodes and depth D <= 6 (parents before children), tokens that match the
+    """Exact: random trees of N = 1..63 nodes and depth D <= 8 (parents before children), tokens that match the
     argmax at their parent 70% of the time, rows verifying fewer nodes, rows that cannot accept."""
     del dtype  # integer work
     g = torch.Generator().manual_seed(8)
-    for n, d in ((1, 1), (6, 3), (24, 6), (63, 6)) if not QUICK else ((6, 3), (24, 6)):
+    for n, d in ((1, 1), (6, 3), (24, 6), (63, 6), (48, 8)) if not QUICK else ((6, 3), (24, 6)):
         b = 48
         parents = torch.zeros(b, n, dtype=torch.int64)
         depth = torch.zeros(b, n + 1, dtype=torch.int64)
