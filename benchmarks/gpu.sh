@@ -30,7 +30,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                transformers eager and static cache + compile; 500 s
   throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
-               total: 2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48), plain decoding beside them; 580 s
+               total: 2x4x7 3x5x7 4x4x12 4x6x24 8x8x48; 7 nodes verify 8 tokens, the most the few-row kernels take),
+               plain decoding beside them; 580 s
   prefix       TTFT of random prompts of 512, 2048 and 8192 tokens at batch 1, speculation off and on; then 16
                requests over one 1,536-token document (+ 512 own tokens), and 8 four-turn conversations (512-token
                first prompts, 64 new tokens a turn), with prefix caching on and off; 500 s
@@ -214,7 +215,7 @@ for st in "$@"; do
                   --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput \
                   | tail -16 ;;
     trees) need_model && bench "$(lim 580)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 8 32 \
-             --tree ${TREES_SHAPES:-2x4x8 4x4x12 4x5x16 4x6x24 8x6x32 8x8x48} --max-tokens 256 --num-prompts 16 \
+             --tree ${TREES_SHAPES:-2x4x7 3x5x7 4x4x12 4x6x24 8x8x48} --max-tokens 256 --num-prompts 16 \
              --repeats 2 --out $OUT/trees | tail -40 ;;
     prefix) need_model || continue
             for len in 512 2048 8192; do
