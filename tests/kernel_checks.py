@@ -22,6 +22,7 @@ from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import correct_record, correct_record_ref, expand_record, expand_record_ref
 from specserve.kernels.tree_accept import tree_compact_kv, tree_greedy_accept
+from specserve.kernels.tree_draft import tree_draft_inputs, tree_draft_inputs_ref
 from specserve.runner.sampler import SamplingTensors
 from specserve.speculative.tree import tree_layout
 from specserve.speculative import accept as spec_accept
@@ -380,8 +381,37 @@ def check_tree_compact(device, dtype):
     assert not torch.equal(ref, kv), "the check should move something"
 
 
+@kernel_check
+def check_tree_draft_inputs(device, dtype):
+    """Exact: draft step 0's per-token inputs after a tree step's acceptance, rows verifying trees (root at column
+    0), rows ending a prompt chunk (root at the chunk's last token, nothing to accept), rows that cannot accept, in
+    a graph's layout (q tokens a row) and a packed one (rows of their own lengths)."""
+    del dtype  # integer work
+    g = torch.Generator().manual_seed(10)
+    d, bs = 4, 4
+    for lengths in ((7,) * 6, (7, 3, 12, 1, 9, 5)):
+        b, q = len(lengths), max(lengths)
+        row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        col = torch.cat([torch.arange(n) for n in lengths])
+        t0 = torch.tensor([sum(lengths[:i]) for i in range(b)])
+        tree = torch.rand(b, generator=g) < 0.6  # rows that verified a tree: root at 0
+        base = torch.where(tree, 0, torch.tensor(lengths) - 1)
+        acc = torch.where(tree, torch.randint(0, d + 1, (b,), generator=g), 0)
+        ok = torch.rand(b, generator=g) < 0.8
+        path = torch.randint(1, 3, (b, d), generator=g).cumsum(dim=1)
+        emitted = torch.randint(0, 100, (b, d + 1), generator=g)
+        ext = torch.randint(100, 200, (b, q + 2), generator=g)
+        start = torch.randint(0, 20, (b,), generator=g)
+        tables = torch.randperm(64, generator=g)[:b * 10].view(b, 10)
+        args = [x.to(device) for x in (ext, base, ok, acc, emitted, path, t0, start, row, col, tables)]
+        got = tree_draft_inputs(*args, bs)
+        ref = tree_draft_inputs_ref(*args, bs)
+        for name, x, y in zip(("src", "pos", "slot", "ids0"), got, ref):
+            assert torch.equal(x, y), f"tree draft inputs {name}, lengths {lengths}"
+
+
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_tree_accept,
-          check_tree_compact,
+          check_tree_compact, check_tree_draft_inputs,
           check_argmax,
           check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows, check_qkv_rope,
           check_qkv_rows, check_norm_fold, check_attn_merge_fold]

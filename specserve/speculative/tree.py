@@ -40,6 +40,7 @@ from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.heads import DraftHead
 from specserve.speculative.speculator import ACCEPT_INTS, SpeculatorBase, acceptance_columns, emitted_logprobs
 from specserve.kernels.step_inputs import node_depths
+from specserve.kernels.tree_draft import tree_draft_inputs
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
 
 
@@ -254,28 +255,12 @@ class TreeSpeculator(SpeculatorBase):
         """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
         x, meta = batch.spec, batch.meta
         head, bs = self.head, self.block_size
-        dev = hidden.device
         ok = x.accept.can_accept
-        a = torch.where(ok, res.accepted, 0)
-        chain_len = x.base_col + 1 + a  # [B]: the known tokens, then the path
-        # the chain's tokens from column 0: known ones, the path's nodes and the bonus (a non-final chunk keeps its
-        # lookahead token after the chunk)
-        ext = x.ext.clone()
-        j = torch.arange(res.emitted.shape[1], device=dev)
-        cols = (x.base_col + 1)[:, None] + j[None, :]  # [B, D+1]
-        put = ok[:, None] & (j[None, :] <= a[:, None])
-        ext.scatter_(1, cols.clamp(max=ext.shape[1] - 1), torch.where(put, res.emitted, ext.gather(
-            1, cols.clamp(max=ext.shape[1] - 1))))
-        r, c = x.row_of_token, x.col_of_token  # [T]
-        live = c < chain_len[r]
-        off = c - x.base_col[r]  # >= 1 on the path
-        path_col = res.path[r, (off - 1).clamp(0, res.path.shape[1] - 1)]  # [T]
-        src = x.t0[r] + torch.where(off >= 1, x.base_col[r] + path_col, c)  # [T] the token's target state
-        src = torch.where(live, src, torch.arange(r.shape[0], device=dev))
-        pos = x.start[r] + c
-        slot = meta.block_tables[r, (pos // bs).clamp(max=meta.block_tables.shape[1] - 1)] * bs + pos % bs
-        slot = torch.where(live, slot, PAD_BLOCK * bs)
-        ids0 = ext[r, (c + 1).clamp(max=ext.shape[1] - 1)]
+        chain_len = x.base_col + 1 + torch.where(ok, res.accepted, 0)  # [B]: the known tokens, then the path
+        # per token [T]: its target state, position, slot and head input token along the chain (known tokens, the
+        # path's nodes and the bonus; a non-final chunk keeps its lookahead token after the chunk)
+        src, pos, slot, ids0 = tree_draft_inputs(x.ext, x.base_col, ok, res.accepted, res.emitted, res.path, x.t0,
+                                                 x.start, x.row_of_token, x.col_of_token, meta.block_tables, bs)
         h = head.first_hidden(hidden[src], [t[src] for t in aux])
         meta0 = AttentionMetadata(slot_mapping=slot, block_tables=meta.block_tables, query_index=meta.query_index,
                                   query_pos=meta.query_pos, flat_index=meta.flat_index,
