@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from specserve import LLM
-from specserve.cli import build_parser, engine_args, train_config
+from specserve.cli import build_parser, engine_args
+from specserve.train.cli import train_config
 from specserve.config import EngineArgs, EngineConfig, ModelConfig
 from specserve.speculative.config import SpeculativeConfig
 from specserve.train.config import NO_FLAG, TrainConfig, field_defaults
