@@ -4,7 +4,7 @@ With Triton's interpreter the model takes the same path as on CUDA (Triton kerne
 so the counts stand for kernel launches inside a captured step: every ATen op that does work (views and
 shape queries excluded) plus every Triton kernel launch. A counted figure, not a timing.
 
-    python benchmarks/count_step_ops.py [--spec] [--model random:smollm2-135m] [--draft-len 4]
+    python benchmarks/count_step_ops.py [--spec | --tree KxDxN] [--model random:smollm2-135m] [--draft-len 4]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
 from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.bench.run import tree_shape  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 
 NOT_WORK = {"view", "_unsafe_view", "reshape", "as_strided", "t", "expand", "select", "slice", "unsqueeze",
@@ -59,10 +60,15 @@ def main() -> None:
     ap.add_argument("--model", default="random:smollm2-135m")
     ap.add_argument("--spec", action="store_true", help="a speculative step (random EAGLE-3 head)")
     ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--tree", metavar="KxDxN", help="a draft tree's step instead (top-k, depth, nodes)")
     ap.add_argument("--context", type=int, default=30)
     a = ap.parse_args()
+    a.spec = a.spec or a.tree is not None
     kw = dict(speculative_config=dict(method="eagle3", draft_model="random", max_draft_len=a.draft_len)) \
         if a.spec else {}
+    if a.tree:
+        k, d, n = tree_shape(a.tree)
+        kw["speculative_config"].update(topk=k, max_draft_len=d, max_total_draft_tokens=n)
     llm = LLM(a.model, device="cpu", dtype="float32", num_kv_blocks=64, **kw)
     eng = llm.engine
     # the graph layout a CUDA engine replays (run eagerly here): its inputs are expanded from the step's record
@@ -82,14 +88,16 @@ def main() -> None:
     interpreter.InterpretedFunction.run = counted_launch
     runner = eng.runner
     wrap_phase(counter, runner.model, "forward", "target", "accept or sample")
-    if a.spec:
+    if a.tree:  # head step 0 over the accepted chain and the expansion (acceptance and the KV move before it)
+        wrap_phase(counter, runner.speculator, "draft", "draft", "after")
+    elif a.spec:
         wrap_phase(counter, runner.speculator.drafter.head, "propose", "draft", "after")
     with counter, torch.inference_mode():
         eng.step()
     phases = collections.Counter()
     for (phase, _), n in counter.counts.items():
         phases[phase] += n
-    print(f"{'speculative' if a.spec else 'plain'} step: {sum(phases.values())} ops, by phase {dict(phases)}")
+    print(f"{f'tree {a.tree}' if a.tree else 'speculative' if a.spec else 'plain'} step: {sum(phases.values())} ops, by phase {dict(phases)}")
     for phase in phases:
         ops = sorted(((n, op) for (p, op), n in counter.counts.items() if p == phase), reverse=True)
         print(f"  {phase}: " + ", ".join(f"{op} x{n}" for n, op in ops))
