@@ -3,6 +3,7 @@ with speculation on and off. Starts the server as a subprocess for each setting,
 (greedy, EOS ignored, fixed length) from the chat prompts in ``prompts.py``.
 
     python benchmarks/bench_server.py --concurrency 1 4 16 --requests 32 --max-tokens 64 [--device cpu]
+        [--model PATH --draft HEAD] [--serve-args "--kv-cache-memory 4000000000"]
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ def start(args, spec: bool):
         cmd += ["--model", args.model]
     if not spec:
         cmd += ["--no-spec"]
+    elif args.draft:
+        cmd += ["--draft", args.draft]
+    cmd += args.serve_args.split()
+    # the caller's path first (packages it installed beside the system's), then this checkout
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                            env=dict(os.environ, PYTHONPATH=path))
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -88,6 +94,8 @@ async def level(base, conc, requests, max_tokens):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
+    p.add_argument("--draft", default=None, help="head folder for the speculative server (the default model: its own)")
+    p.add_argument("--serve-args", default="", help="more `specserve serve` arguments, one string")
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=32)

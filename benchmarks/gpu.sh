@@ -44,6 +44,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                adaptive draft length (D in 0..4 each step), side by side; 420 s
   adaptiverand the same with random weights and a random head (random:smollm2-135m, which accepts nearly nothing):
                no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
+  server       `specserve serve` under load (benchmarks/bench_server.py): 512 streamed chat requests of 128 tokens
+               at 64 and 256 concurrent clients, speculation off and on: requests/s, TTFT and TPOT (FastAPI,
+               uvicorn and pydantic travel as wheels in .whl/); 300 s
   scale1       Llama-3.1-8B shapes (random weights and head, FORCED acceptance 1.64), batch 1, with the
                decode / verify / draft-loop step replays against the roofline (the 8B bars); 200 s
   scaleall     the same at batches 1 8 32 64 (FORCED 1.60); 300 s
@@ -91,7 +94,7 @@ EOF
 }
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
-STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap overlaprand adaptive adaptiverand scale1 scaleall
+STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap overlaprand adaptive adaptiverand server scale1 scaleall
  steps profile host attention regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -241,6 +244,9 @@ for st in "$@"; do
     adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
                     --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
                     --repeats 2 --out $OUT/adaptiverand | tail -24 ;;
+    server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \
+              --device cuda --concurrency 64 256 --requests 512 --max-tokens 128 --json $OUT/server.json \
+              --serve-args "--kv-cache-memory ${KV:-8000000000} --max-num-seqs 256" 2>&1 | tail -8 ;;
     scale1) bench "$(lim 200)" --model random:llama-3.1-8b --draft random --draft-len 4 \
               --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 --max-tokens 128 \
               --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 | tail -30 ;;
