@@ -3,7 +3,7 @@ with speculation on and off. Starts the server as a subprocess for each setting,
 (greedy, EOS ignored, fixed length) from the chat prompts in ``prompts.py``.
 
     python benchmarks/bench_server.py --concurrency 1 4 16 --requests 32 --max-tokens 64 [--device cpu]
-        [--model PATH --draft HEAD] [--serve-args "--kv-cache-memory 4000000000"]
+        [--model PATH --draft HEAD] [--serve-args="--kv-cache-memory 4000000000"]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -42,17 +43,21 @@ def start(args, spec: bool):
     cmd += args.serve_args.split()
     # the caller's path first (packages it installed beside the system's), then this checkout
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, PYTHONPATH=path))
+    log = tempfile.TemporaryFile()  # the server's output, shown if it fails to come up
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=path))
     base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("server did not start")
+    proc.wait()
+    log.seek(0)
+    tail = log.read().decode(errors="replace")[-3000:]
+    raise RuntimeError(f"the server did not come up (exit status {proc.returncode}): {' '.join(cmd)}\n{tail}")
 
 
 async def one(http, base, prompt, max_tokens):
@@ -101,6 +106,7 @@ def main():
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None)
+    p.add_argument("--start-timeout", type=float, default=240, help="seconds the server may take to come up")
     a = p.parse_args()
     rows = []
     for spec in (False, True):

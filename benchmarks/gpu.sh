@@ -32,9 +32,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
                total: 2x4x7 3x5x7 4x4x12 4x6x24 8x8x48; 7 nodes verify 8 tokens, the most the few-row kernels take),
                plain decoding beside them; 580 s
-  prefix       TTFT of random prompts of 512, 2048 and 8192 tokens at batch 1, speculation off and on; then 16
+  prefix       TTFT of random prompts of 512, 2048 and 8000 tokens at batch 1, speculation off and on; then 16
                requests over one 1,536-token document (+ 512 own tokens), and 8 four-turn conversations (512-token
-               first prompts, 64 new tokens a turn), with prefix caching on and off; 500 s
+               first prompts, 64 new tokens a turn), with prefix caching on and off; 600 s
   overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
                ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
                per step with; 420 s
@@ -46,7 +46,7 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
   server       `specserve serve` under load (benchmarks/bench_server.py): 512 streamed chat requests of 128 tokens
                at 64 and 256 concurrent clients, speculation off and on: requests/s, TTFT and TPOT (FastAPI,
-               uvicorn and pydantic travel as wheels in .whl/); 300 s
+               uvicorn, pydantic and opentelemetry-api travel as wheels in .whl/); 300 s
   scale1       Llama-3.1-8B shapes (random weights and head, FORCED acceptance 1.64), batch 1, with the
                decode / verify / draft-loop step replays against the roofline (the 8B bars); 200 s
   scaleall     the same at batches 1 8 32 64 (FORCED 1.60); 300 s
@@ -221,14 +221,14 @@ for st in "$@"; do
              --tree ${TREES_SHAPES:-2x4x7 3x5x7 4x4x12 4x6x24 8x8x48} --max-tokens 256 --num-prompts 16 \
              --repeats 2 --out $OUT/trees | tail -40 ;;
     prefix) need_model || continue
-            for len in 512 2048 8192; do
+            for len in 512 2048 8000; do  # 8,000: room for the new tokens in max_model_len 8,192
               bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len $len --batch-size 1 \
                 --max-tokens 64 --num-prompts 8 --repeats 2 --out $OUT/prefill-$len | tail -8
             done
-            bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --shared-prefix-len 1536 \
+            bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --shared-prefix-len 1536 \
               --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 16 --repeats 2 \
               --out $OUT/shared-prefix | tail -14
-            bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --turns 4 --turn-len 64 \
+            bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --turns 4 --turn-len 64 \
               --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 8 --repeats 2 \
               --out $OUT/multi-turn | tail -14 ;;
     overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
@@ -246,7 +246,7 @@ for st in "$@"; do
                     --repeats 2 --out $OUT/adaptiverand | tail -24 ;;
     server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \
               --device cuda --concurrency 64 256 --requests 512 --max-tokens 128 --json $OUT/server.json \
-              --serve-args "--kv-cache-memory ${KV:-8000000000} --max-num-seqs 256" 2>&1 | tail -8 ;;
+              --serve-args="--kv-cache-memory ${KV:-8000000000} --max-num-seqs 256" 2>&1 | tail -30 ;;
     scale1) bench "$(lim 200)" --model random:llama-3.1-8b --draft random --draft-len 4 \
               --forced-acceptance ${FORCED:-1.64} --ignore-eos --random-input-len 512 --batch-size 1 --max-tokens 128 \
               --num-prompts 8 --repeats 2 --kv-cache-memory 24000000000 --steps 1 --out $OUT/scale1 | tail -30 ;;
