@@ -15,7 +15,7 @@ import pytest
 from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.core.metrics import SpecStats
 from specserve.speculative.draft_len import (AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
-                                             cost_buckets, expected_tokens)
+                                             cost_buckets, engine_rates, expected_tokens)
 from accept_helpers import chi2_critical, chi2_homogeneity, make_small_vocab, sample_replies
 from test_overlap import OracleHead, _llm
 from tiny_models import PROMPTS, make_head, make_hf_model
@@ -158,19 +158,37 @@ def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
 
 
 def test_expected_tokens_blend_own_acceptance_with_the_engines():
-    prior = SpecStats(drafted_per_pos=[10, 10], accepted_per_pos=[8, 4])  # 0.8, 0.4, then 0.4 for position 3
+    prior = SpecStats(drafted_per_pos=[10, 10], accepted_per_pos=[8, 4])
+    # the engine's rates: its counts after 4 optimistic steps at the position before's rate (1.0 before the first)
+    g0 = (8 + 4 * 1.0) / 14
+    g1 = (4 + 4 * g0) / 14
+    assert engine_rates(prior, 3) == pytest.approx([g0, g1, g1])  # position 3, never drafted: position 2's
     new = _Req([], [])  # nothing verified yet: the engine's rates
-    assert expected_tokens([new.spec_stats], prior, 3) == pytest.approx([1, 1.8, 2.2, 2.6])
+    assert expected_tokens([new.spec_stats], prior, 3) == pytest.approx([1, 1 + g0, 1 + g0 + g1, 1 + g0 + 2 * g1])
     # a request whose own drafts are never accepted, after 36 steps, outweighs the prior (weight 4)
     bad = _Req([36, 36, 36], [0, 0, 0])
     e = expected_tokens([bad.spec_stats], prior, 3)
-    assert e[1] == pytest.approx(1 + 4 * 0.8 / 40) and e[3] < 1.2
+    assert e[1] == pytest.approx(1 + 4 * g0 / 40) and e[3] < 1.2
     # rates never rise with depth; the batch sums its rows
     odd = _Req([10, 10], [2, 9])
     r = np.diff(expected_tokens([odd.spec_stats], prior, 2))
     assert r[1] <= r[0]
     assert expected_tokens([new.spec_stats, bad.spec_stats], prior, 3) == pytest.approx(
         expected_tokens([new.spec_stats], prior, 3) + e)
+    assert list(expected_tokens([], prior, 3)) == [0, 0, 0, 0]
+
+
+def test_a_few_unlucky_first_steps_do_not_stop_the_deep_drafts():
+    """The H100 run's failure: after three steps at D = 4 that accepted 2, 0 and 0 drafts, the engine's counts and
+    the request's said positions 2-4 never accept, D = 1 won on batch-1 costs, and nothing drafted those positions
+    again. Thin counts now stay near the optimistic prior, so D = 4 is still tried; many such steps do end it."""
+    costs = StepCosts([1], [[0.49, 0.64, 0.65, 0.70, 0.69]])  # ms of batch-1 steps by D (H100, default model)
+    unlucky = SpecStats(drafted_per_pos=[3, 3, 3, 3], accepted_per_pos=[2, 0, 0, 0])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: unlucky)
+    assert p.choose([_Req([3, 3, 3, 3], [2, 0, 0, 0])]) == 4
+    many = SpecStats(drafted_per_pos=[300] * 4, accepted_per_pos=[200, 0, 0, 0])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: many)
+    assert p.choose([_Req([300] * 4, [200, 0, 0, 0])]) == 1
 
 
 def test_the_choice_maximises_tokens_per_second():
@@ -182,6 +200,11 @@ def test_the_choice_maximises_tokens_per_second():
     mid = [1.0, 1.2, 1.5, 2.0, 2.6]  # 1.5, 1.53, 1.3, 1.08 tokens per unit
     assert best_draft_len(tokens, mid, 4) == 2
     assert best_draft_len(tokens, cheap, 1) == 1  # the schedule's or gate's cap holds
+    # the D of the step before stays unless another promises 2% more: D = 2's 1.513 against D = 1's 1.5 keeps 1
+    near = [1.0, 1.2, 1.52, 2.0, 2.6]
+    assert best_draft_len(tokens, near, 4) == 2
+    assert best_draft_len(tokens, near, 4, current=1) == 1 and best_draft_len(tokens, near, 4, current=3) == 2
+    assert best_draft_len(tokens, cheap, 2, current=4) == 2  # a current D past the cap gives way
     costs = StepCosts([1, 4, 16], [cheap, mid, dear])
     assert costs.row(1) == cheap and costs.row(3) == mid and costs.row(16) == dear
     assert costs.row(32) == pytest.approx([2 * t for t in dear])  # past the largest: grows with the rows

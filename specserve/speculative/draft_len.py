@@ -39,6 +39,8 @@ log = logging.getLogger("specserve")
 
 # acceptance of a request that has verified nothing yet: the engine's, weighted as this many of its own steps
 PRIOR_STEPS = 4.0
+# a step keeps the D of the step before unless another promises this much more tokens per second
+SWITCH_GAIN = 0.02
 
 
 @dataclass
@@ -96,41 +98,52 @@ class StepCosts:
             raise ValueError(f"step cost file {p} is not one written by specserve ({e})") from e
 
 
-def expected_tokens(stats: list[SpecStats], prior: SpecStats, max_draft_len: int) -> np.ndarray:
-    """Expected tokens a batch emits per step for each D = 0..max_draft_len [D+1]: per row 1 + sum over the
-    first D positions of P(the draft there is accepted | drafted), from its own counts blended with ``prior``'s
-    rates (the engine's) weighted as ``PRIOR_STEPS`` steps; a position nobody drafted yet counts as the one before
-    it (optimistic, so that new positions get tried)."""
-    glob = np.zeros(max_draft_len)
+def engine_rates(prior: SpecStats, max_draft_len: int) -> np.ndarray:
+    """Per-position acceptance over the engine's steps [D]: position j's counts blended with an optimistic prior of
+    ``PRIOR_STEPS`` steps at the rate of position j - 1 (1.0 before the first). Thin counts stay near that prior,
+    so a few unlucky early steps cannot stop a position from being drafted (and its estimate from ever being
+    corrected): only a rate measured over many steps can."""
+    out = np.empty(max_draft_len)
     last = 1.0
     for j in range(max_draft_len):
-        if j < len(prior.drafted_per_pos) and prior.drafted_per_pos[j]:
-            last = prior.accepted_per_pos[j] / prior.drafted_per_pos[j]
-        glob[j] = last
-    total = np.zeros(max_draft_len + 1)
-    for s in stats:
-        n = len(s.drafted_per_pos)
-        drafted = np.zeros(max_draft_len)
-        accepted = np.zeros(max_draft_len)
-        m = min(n, max_draft_len)
-        drafted[:m] = s.drafted_per_pos[:m]
-        accepted[:m] = s.accepted_per_pos[:m]
-        rate = (accepted + PRIOR_STEPS * glob) / (drafted + PRIOR_STEPS)
-        # a chain accepts position j only after every position before it: rates per position are already
-        # conditional on being drafted, and accepted counts are prefixes, so they are non-increasing here
-        rate = np.minimum.accumulate(rate)
-        total += np.concatenate(([1.0], 1.0 + np.cumsum(rate)))
-    return total
+        n = prior.drafted_per_pos[j] if j < len(prior.drafted_per_pos) else 0
+        a = prior.accepted_per_pos[j] if j < len(prior.accepted_per_pos) else 0
+        last = out[j] = (a + PRIOR_STEPS * last) / (n + PRIOR_STEPS)
+    return out
 
 
-def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int) -> int:
+def expected_tokens(stats: list[SpecStats], prior: SpecStats, max_draft_len: int) -> np.ndarray:
+    """Expected tokens a batch emits per step for each D = 0..max_draft_len [D+1]: per row 1 + sum over the
+    first D positions of P(the draft there is accepted | drafted), from its own counts blended with the engine's
+    rates (``engine_rates``) weighted as ``PRIOR_STEPS`` steps. One array operation over the rows: this runs on
+    the host before every step, so its cost must not grow by a Python loop's worth per row."""
+    d = max_draft_len
+    glob = engine_rates(prior, d)  # [D]
+    if not stats:
+        return np.zeros(d + 1)
+    pad = [0] * d
+    drafted = np.array([(s.drafted_per_pos + pad)[:d] for s in stats], dtype=np.float64)  # [B, D]
+    accepted = np.array([(s.accepted_per_pos + pad)[:d] for s in stats], dtype=np.float64)  # [B, D]
+    rate = (accepted + PRIOR_STEPS * glob) / (drafted + PRIOR_STEPS)
+    # a chain accepts position j only after every position before it: rates per position are already
+    # conditional on being drafted, and accepted counts are prefixes, so they are non-increasing here
+    rate = np.minimum.accumulate(rate, axis=1)
+    return len(stats) + np.concatenate(([0.0], rate.sum(axis=0).cumsum()))
+
+
+def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int, current: int | None = None) -> int:
     """The D in 0..``allowed`` of most expected tokens per second (``tokens`` [D+1] per step, ``seconds``
-    per step); ties go to the shorter D."""
-    best, rate = 0, tokens[0] / seconds[0]
-    for d in range(1, min(allowed, len(seconds) - 1, len(tokens) - 1) + 1):
-        r = tokens[d] / seconds[d]
-        if r > rate * (1 + 1e-9):
-            best, rate = d, r
+    per step); ties go to the shorter D. Where ``current`` (the D of the step before) is allowed, it stays unless
+    another D promises ``SWITCH_GAIN`` more: a step that changes D runs a graph of another (verify width, draft
+    length) pair, captured the first time it is needed, and estimates near a tie would otherwise flip every step."""
+    n = min(allowed, len(seconds) - 1, len(tokens) - 1)
+    rates = [tokens[d] / seconds[d] for d in range(n + 1)]
+    best = 0
+    for d in range(1, n + 1):
+        if rates[d] > rates[best] * (1 + 1e-9):
+            best = d
+    if current is not None and current <= n and rates[best] <= rates[current] * (1 + SWITCH_GAIN):
+        return current
     return best
 
 
@@ -165,6 +178,7 @@ class DraftLenPolicy:
         self.adaptive = adaptive
         self.gate = gate
         self.costs = costs  # None while adaptive: every step drafts the most (until the engine measures them)
+        self.last: int | None = None  # the D chosen for the step before
         empty = SpecStats()
         self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
 
@@ -196,7 +210,8 @@ class DraftLenPolicy:
         d = self._cap(len(requests))
         if self.adaptive and self.costs is not None and d > 0:
             tokens = expected_tokens([r.spec_stats for r in requests], self.prior(), self.max_draft_len)
-            d = best_draft_len(tokens, self.costs.row(len(requests)), d)
+            d = best_draft_len(tokens, self.costs.row(len(requests)), d, self.last)
+        self.last = d
         return d
 
     def observe(self, drafted: int, accepted: int) -> None:
