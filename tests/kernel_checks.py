@@ -1,6 +1,6 @@
 """Each Triton kernel against its PyTorch reference on random inputs, the few-row linears' checks in
-``linear_checks.py`` (run by tests/test_kernels.py on the GPU, or on the CPU through Triton's interpreter:
-``TRITON_INTERPRET=1 python tests/kernel_checks.py``)."""
+``linear_checks.py``, the tree step's in ``tree_checks.py`` (run by tests/test_kernels.py on the GPU, or on the
+CPU through Triton's interpreter: ``TRITON_INTERPRET=1 python tests/kernel_checks.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import torch
 
 from check_util import QUICK, _close, kernel_check
+from tree_checks import TREE_CHECKS
 from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_rows, check_norm_fold, check_qkv_rope,
                            check_qkv_rows)
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
@@ -21,12 +22,9 @@ from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref
 from specserve.kernels.step_inputs import correct_record, correct_record_ref, expand_record, expand_record_ref
-from specserve.kernels.tree_accept import tree_compact_kv, tree_greedy_accept
-from specserve.kernels.tree_draft import tree_draft_inputs, tree_draft_inputs_ref
 from specserve.runner.sampler import SamplingTensors
 from specserve.speculative.tree import tree_layout
 from specserve.speculative import accept as spec_accept
-from specserve.speculative.tree_accept import accept_greedy_ref, compact_path_kv_ref
 
 
 @kernel_check
@@ -326,95 +324,9 @@ def check_draft_inputs(device, dtype):
                 assert torch.equal(got[k], ref[k]), f"draft inputs {k} b={b} q={q} d={d} packed={packed}"
 
 
-
-
-@kernel_check
-def check_tree_accept(device, dtype):
-    """Exact: random trees of N = 1..63 nodes and depth D <= 8 (parents before children), tokens that match the
-    argmax at their parent 70% of the time, rows verifying fewer nodes, rows that cannot accept."""
-    del dtype  # integer work
-    g = torch.Generator().manual_seed(8)
-    for n, d in ((1, 1), (6, 3), (24, 6), (63, 6), (48, 8)) if not QUICK else ((6, 3), (24, 6)):
-        b = 48
-        parents = torch.zeros(b, n, dtype=torch.int64)
-        depth = torch.zeros(b, n + 1, dtype=torch.int64)
-        for c in range(1, n + 1):  # a parent among the earlier columns shallower than D
-            ok = depth[:, :c] < d
-            pick = torch.multinomial(ok.float(), 1, generator=g)[:, 0]
-            parents[:, c - 1] = pick
-            depth[:, c] = depth.gather(1, pick[:, None])[:, 0] + 1
-        argmax = torch.randint(0, 4, (b, n + 1), generator=g)
-        nodes = torch.where(torch.rand(b, n, generator=g) < 0.7, argmax.gather(1, parents),
-                            torch.randint(0, 4, (b, n), generator=g))
-        num = torch.randint(0, n + 1, (b,), generator=g)
-        can = torch.rand(b, generator=g) < 0.9
-        args = [x.to(device) for x in (argmax, nodes, parents, num, can)]
-        got = tree_greedy_accept(*args, d)
-        assert got is not None, "the tree acceptance kernel did not run"
-        valid = (torch.arange(n, device=device)[None, :] < args[3][:, None]) & args[4][:, None]
-        ref = accept_greedy_ref(args[0], args[1], args[2], valid, d)
-        for name, x, y in zip(("accepted", "path", "emitted"), got, (ref.accepted, ref.path, ref.emitted)):
-            assert torch.equal(x, y), f"tree accept {name}, N={n} D={d}"
-        assert int(ref.accepted.max()) >= min(d, 2), "the check should reach deep paths"
-
-
-@kernel_check
-def check_tree_compact(device, dtype):
-    """Exact: each row's accepted path moved to the positions after its root in every layer's keys and values
-    (paths whose nodes sit where an earlier depth's node lands, rows accepting nothing, block tables out of order;
-    rows own their blocks, as in the engine), and nothing else written."""
-    g = torch.Generator().manual_seed(9)
-    layers, blocks, bs, b, d = 3, 24, 4, 6, 4
-    kv = torch.randn(layers, 2, blocks, bs, 2, 8, generator=g).to(device, dtype)
-    tables = torch.randperm(blocks, generator=g).view(b, 4)  # [B, 4]: 16 positions a row, blocks of its own
-    root = torch.randint(0, 8, (b,), generator=g)
-    steps = torch.randint(1, 3, (b, d), generator=g)  # column gaps: the node at depth i at column >= i
-    path = steps.cumsum(dim=1)
-    path[0] = torch.tensor([2, 3, 4, 5])  # each node lands where the previous depth's node was
-    acc = torch.tensor([4, 0, 2, 1, 3, 4])
-    args = [x.to(device) for x in (tables, root, path, acc)]
-    ref = kv.clone()
-    compact_path_kv_ref(ref, *args, bs)
-    got = kv.clone()
-    assert tree_compact_kv(got, *args, bs), "the KV compaction kernel did not run"
-    assert torch.equal(got, ref), "tree KV compaction"
-    assert not torch.equal(ref, kv), "the check should move something"
-
-
-@kernel_check
-def check_tree_draft_inputs(device, dtype):
-    """Exact: draft step 0's per-token inputs after a tree step's acceptance, rows verifying trees (root at column
-    0), rows ending a prompt chunk (root at the chunk's last token, nothing to accept), rows that cannot accept, in
-    a graph's layout (q tokens a row) and a packed one (rows of their own lengths)."""
-    del dtype  # integer work
-    g = torch.Generator().manual_seed(10)
-    d, bs = 4, 4
-    for lengths in ((7,) * 6, (7, 3, 12, 1, 9, 5)):
-        b, q = len(lengths), max(lengths)
-        row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        col = torch.cat([torch.arange(n) for n in lengths])
-        t0 = torch.tensor([sum(lengths[:i]) for i in range(b)])
-        tree = torch.rand(b, generator=g) < 0.6  # rows that verified a tree: root at 0
-        base = torch.where(tree, 0, torch.tensor(lengths) - 1)
-        acc = torch.where(tree, torch.randint(0, d + 1, (b,), generator=g), 0)
-        ok = torch.rand(b, generator=g) < 0.8
-        path = torch.randint(1, 3, (b, d), generator=g).cumsum(dim=1)
-        emitted = torch.randint(0, 100, (b, d + 1), generator=g)
-        ext = torch.randint(100, 200, (b, q + 2), generator=g)
-        start = torch.randint(0, 20, (b,), generator=g)
-        tables = torch.randperm(64, generator=g)[:b * 10].view(b, 10)
-        args = [x.to(device) for x in (ext, base, ok, acc, emitted, path, t0, start, row, col, tables)]
-        got = tree_draft_inputs(*args, bs)
-        ref = tree_draft_inputs_ref(*args, bs)
-        for name, x, y in zip(("src", "pos", "slot", "ids0"), got, ref):
-            assert torch.equal(x, y), f"tree draft inputs {name}, lengths {lengths}"
-
-
-CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, check_tree_accept,
-          check_tree_compact, check_tree_draft_inputs,
-          check_argmax,
-          check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows, check_qkv_rope,
-          check_qkv_rows, check_norm_fold, check_attn_merge_fold]
+CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, *TREE_CHECKS, check_argmax,
+          check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows,
+          check_qkv_rope, check_qkv_rows, check_norm_fold, check_attn_merge_fold]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

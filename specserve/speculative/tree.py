@@ -39,8 +39,9 @@ from specserve.speculative.accept import AcceptInputs
 from specserve.speculative.config import SpeculativeConfig
 from specserve.speculative.heads import DraftHead
 from specserve.speculative.speculator import ACCEPT_INTS, SpeculatorBase, acceptance_columns, emitted_logprobs
-from specserve.kernels.step_inputs import node_depths
 from specserve.kernels.tree_draft import tree_draft_inputs
+from specserve.kernels.tree_expand import Frontier, expand_depth, select_tree
+from specserve.kernels.tree_layout import tree_attention_layout
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
 
 
@@ -199,30 +200,18 @@ class TreeSpeculator(SpeculatorBase):
         """Inside a graph step: its ``TreeInputs`` from the record's views ``f`` and their expansion ``x``; a row
         with nodes gets positions by depth (in place, in the step's positions) and its tree's ancestor bits (in
         ``meta``)."""
-        b, q = x["positions"].shape
-        n, d = x["drafts"].shape[1], self.draft_len  # the layout's drafts a row (N, or D where all are chains)
-        parents = f["parents"].view(b, self.num_nodes)[:, :n]
-        nd = f["num_drafts"]
-        col = torch.arange(q, device=parents.device)
-        cols = torch.arange(n + 1, device=parents.device)
-        tree_row = (nd > 0)[:, None]
-        bits = torch.bitwise_left_shift(torch.ones_like(cols), cols).expand(b, n + 1).clone()  # [B, N+1]
-        for _ in range(d):
-            bits[:, 1:] = bits.gather(1, parents) | bits[:, 1:]
-        # a one-row prefill layout may hold fewer tokens than the root and N nodes; its row has no nodes
-        m = min(q, n + 1)
-        live = tree_row & (col[None, :m] <= nd[:, None])  # [B, m]: the root and the row's nodes
-        pos = x["positions"]
-        meta.query_pos = pos.clone()  # the mask's positions stay the columns' (expand_record's one tensor for both)
-        pos[:, :m] = torch.where(live, f["start"][:, None] + node_depths(parents, d)[:, :m], pos[:, :m])
-        full = torch.full((b, q), -1, dtype=torch.int64, device=parents.device)
-        full[:, :m] = torch.where(live, bits[:, :m], -1)
-        meta.tree_bits, meta.tree_base = full, f["start"]
+        n = x["drafts"].shape[1]  # the layout's drafts a row (N, or D where all are chains)
+        parents = f["parents"].view(-1, self.num_nodes)[:, :n]
+        # the mask's positions stay the columns' (expand_record's one tensor for both): a copy before the nodes'
+        # positions by depth are written in place
+        meta.query_pos, meta.tree_bits = tree_attention_layout(parents, f["num_drafts"], f["start"],
+                                                               x["positions"], self.draft_len)
+        meta.tree_base = f["start"]
         can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)
         acc = self.verifier.inputs(sampling, greedy, can_accept, relaxed, f["relaxed_topk"], f["relaxed_delta"],
                                    thinking, switches)
-        return TreeInputs(verify_idx=x["verify_idx"], nodes=x["drafts"], parents=parents, num_nodes=nd,
-                          base_col=x["base_col"], t0=x["t0"], start=f["start"], ext=x["ext"],
+        return TreeInputs(verify_idx=x["verify_idx"], nodes=x["drafts"], parents=parents,
+                          num_nodes=f["num_drafts"], base_col=x["base_col"], t0=x["t0"], start=f["start"], ext=x["ext"],
                           row_of_token=x["row_of_token"].view(-1), col_of_token=x["col_of_token"].reshape(-1),
                           accept=acc, topk=switches.draft_topk, host_rows=host_rows)
 
@@ -278,14 +267,16 @@ class TreeSpeculator(SpeculatorBase):
         head, bs = self.head, self.block_size
         b = last.shape[0]
         dev = last.device
-        lp = head.logits(0, last).log_softmax(dim=-1)  # [B, V']
-        score, idx = lp.topk(k, dim=-1)  # [B, k]
-        tok = self._target_ids(idx)
-        cand_tok, cand_par, cand_score = [tok], [torch.full_like(tok, -1)], [score]
-        f_id = torch.arange(k, device=dev).expand(b, k)  # the frontier's candidate ids
-        # copies, not broadcast views: the kernels read a row of positions or hidden states per token
-        f_tok, f_score, f_hidden = tok, score, last.repeat_interleave(k, dim=0).view(b, k, -1)
-        f_bits = torch.zeros(b, k, dtype=torch.int64, device=dev)
+        ids = head.target_ids()
+        # every candidate's token, score and parent's candidate id [B, C]: k at depth 1, then k * k a depth
+        c = k + (self.draft_len - 1) * k * k
+        cand_tok = torch.empty(b, c, dtype=torch.int64, device=dev)
+        cand_score = torch.empty(b, c, dtype=torch.float32, device=dev)
+        cand_par = torch.empty(b, c, dtype=torch.int64, device=dev)
+        zeros = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+        root = Frontier(tok=zeros, score=torch.zeros(b, 1, device=dev), ids=zeros - 1, bits=zeros,
+                        hidden=last[:, None])
+        f = expand_depth(head.raw_logits(0, last), root, k, ids, 0, cand_tok, cand_score, cand_par)
         base = last_pos + 1  # [B]: the first scratch slot's position
         tables = meta.block_tables.repeat_interleave(k, dim=0)  # [B * k, M]
         # every depth's scratch columns, positions, slots and RoPE positions at once (a few kernels, not a few a
@@ -304,31 +295,18 @@ class TreeSpeculator(SpeculatorBase):
         tree_base = base.repeat_interleave(k)
         next_id = k
         for depth in range(1, self.draft_len):
-            bits = f_bits | col_bit[depth - 1]  # [B, k]
+            f.bits = f.bits | col_bit[depth - 1]  # [B, k]: the scratch columns this depth's nodes see
             m = AttentionMetadata(slot_mapping=slot[depth - 1], block_tables=tables, query_index=flat[:, None],
                                   query_pos=spos[depth - 1], flat_index=flat, sliding_window=meta.sliding_window,
-                                  backend=meta.backend, tree_bits=bits.reshape(-1, 1), tree_base=tree_base)
-            out = head.run_module(depth, f_tok.reshape(-1), rope[depth - 1], f_hidden.reshape(b * k, -1), m,
+                                  backend=meta.backend, tree_bits=f.bits.reshape(-1, 1), tree_base=tree_base)
+            out = head.run_module(depth, f.tok.reshape(-1), rope[depth - 1], f.hidden.reshape(b * k, -1), m,
                                   self.head_kv[head.kv_layer(depth)])  # [B * k, H]
-            lp = head.logits(depth, out).log_softmax(dim=-1)  # [B * k, V']
-            s, i = lp.topk(k, dim=-1)
-            child_score = (f_score[..., None] + s.view(b, k, k)).reshape(b, k * k)
-            child_tok = self._target_ids(i).view(b, k * k)
-            cand_tok.append(child_tok)
-            cand_par.append(f_id.repeat_interleave(k, dim=1))
-            cand_score.append(child_score)
-            _, pick = child_score.topk(k, dim=-1)  # [B, k] the next frontier, among the children
-            parent = pick // k
-            f_id = next_id + pick
-            f_tok = child_tok.gather(1, pick)
-            f_score = child_score.gather(1, pick)
-            f_hidden = out.view(b, k, -1).gather(1, parent[..., None].expand(b, k, out.shape[-1]))
-            f_bits = bits.gather(1, parent)
+            f.hidden = out.view(b, k, -1)
+            f = expand_depth(head.raw_logits(depth, out), f, k, ids, next_id, cand_tok, cand_score, cand_par)
             next_id += k * k
         # each candidate's depth: k at depth 1, then k * k a depth
         cand_depth = self._candidate_depths(k, dev).expand(b, -1)
-        return self._select(torch.cat(cand_tok, 1), torch.cat(cand_par, 1), torch.cat(cand_score, 1),
-                            cand_depth, self.num_nodes if k > 1 else self.draft_len)
+        return select_tree(cand_tok, cand_par, cand_score, cand_depth, self.num_nodes if k > 1 else self.draft_len)
 
     def _candidate_depths(self, k: int, dev) -> torch.Tensor:
         """[1, C]: the depth of each expansion candidate (k at depth 1, then k * k at each depth), made once."""
@@ -339,27 +317,6 @@ class TreeSpeculator(SpeculatorBase):
                 d = [1] * k + [depth + 1 for depth in range(1, self.draft_len) for _ in range(k * k)]
                 cache[key] = torch.tensor([d], dtype=torch.int64, device=dev)
         return cache[key]
-
-    @staticmethod
-    def _select(tok, par, score, depth, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Candidates [B, C] -> the ``n`` of highest cumulative log-probability as nodes and parent columns [B, n],
-        sorted by depth, then score."""
-        # a child scores at most its parent: the depth term breaks a tie in the parent's favour
-        key = score - 1e-6 * depth
-        top = key.topk(n, dim=-1).indices  # [B, N]
-        d = depth.gather(1, top)
-        order = torch.sort(d, dim=-1, stable=True).indices  # by depth, keeping the score order within one
-        sel = top.gather(1, order)  # [B, N] candidate ids in column order
-        col_of = torch.zeros_like(tok)  # [B, C] column of each selected candidate (its parent is selected too)
-        col_of.scatter_(1, sel, torch.arange(1, n + 1, device=tok.device).expand_as(sel))
-        p = par.gather(1, sel)
-        parents = torch.where(p < 0, 0, col_of.gather(1, p.clamp(min=0)))
-        return tok.gather(1, sel), parents
-
-    def _target_ids(self, idx: torch.Tensor) -> torch.Tensor:
-        """Indices into the head's vocabulary -> target token ids."""
-        ids = self.head.target_ids()
-        return idx if ids is None else ids[idx]
 
     # -- host: the copied-back result ------------------------------------------------------------------------
     def results(self, sched, rows, logprobs: list[list[float]] | None = None) -> list[RowResult]:
