@@ -35,8 +35,11 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   prefix       TTFT of random prompts of 512, 2048 and 8000 tokens at batch 1, speculation off and on; then 16
                requests over one 1,536-token document (+ 512 own tokens), and 8 four-turn conversations (512-token
                first prompts, 64 new tokens a turn), with prefix caching on and off; 600 s
-  overlap      the same, each engine with the overlap scheduler and without (`--overlap both`), alternating
-               ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
+  summarize    Spec-Bench-style summarization at batch 1: SUM_N (32) documents of 1-2k tokens built from the
+               GPTeacher files' own responses (benchmarks/summarization_prompts.py; .traindata/), 256 new tokens,
+               plain and EAGLE-3; 300 s
+  overlap      the throughput stage's runs, each engine with the overlap scheduler and without (`--overlap
+               both`), alternating ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
                per step with; 420 s
   overlaprand  the overlap stage's runs without the real model: random weights of its shapes and a random head with
                FORCED acceptance (2.58), 128-token random prompts; 420 s
@@ -94,7 +97,7 @@ EOF
 }
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
-STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix overlap overlaprand adaptive adaptiverand server scale1 scaleall
+STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap overlaprand adaptive adaptiverand server scale1 scaleall
  steps profile host attention regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -231,6 +234,10 @@ for st in "$@"; do
             bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --turns 4 --turn-len 64 \
               --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 8 --repeats 2 \
               --out $OUT/multi-turn | tail -14 ;;
+    summarize) need_model && python3 benchmarks/summarization_prompts.py $D/gpteacher-*.json --num "${SUM_N:-32}" \
+                 --out /tmp/summarize.jsonl && bench "$(lim 300)" --model $M --draft $HEAD --draft-len 4 \
+                 --batch-size 1 --prompts /tmp/summarize.jsonl --num-prompts "${SUM_N:-32}" --max-tokens 256 \
+                 --repeats 3 --out $OUT/summarize | tail -14 ;;
     overlap) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --overlap both \
                --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" \
                --steps 1 --out $OUT/overlap | tail -40 ;;
