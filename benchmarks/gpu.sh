@@ -39,8 +39,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                GPTeacher files' own responses (benchmarks/summarization_prompts.py; .traindata/), 256 new tokens,
                plain and EAGLE-3; 300 s
   overlap      the throughput stage's runs, each engine with the overlap scheduler and without (`--overlap
-               both`), alternating ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to compare the wall time
-               per step with; 420 s
+               both`), alternating ROUNDS (2) times, with the whole-step graph replay times (`--steps 1`) to
+               compare the wall time per step with; 420 s
   overlaprand  the overlap stage's runs without the real model: random weights of its shapes and a random head with
                FORCED acceptance (2.58), 128-token random prompts; 420 s
   adaptive     the 16 chat prompts at batches 1 8 32 64 128: no speculation, chains of fixed D = 1 2 3 4 and the
