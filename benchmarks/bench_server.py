@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -40,7 +41,7 @@ def start(args, spec: bool):
         cmd += ["--no-spec"]
     elif args.draft:
         cmd += ["--draft", args.draft]
-    cmd += args.serve_args.split()
+    cmd += shlex.split(args.serve_args)
     # the caller's path first (packages it installed beside the system's), then this checkout
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)
     log = tempfile.TemporaryFile()  # the server's output, shown if it fails to come up
@@ -81,7 +82,9 @@ async def one(http, base, prompt, max_tokens):
 
 async def level(base, conc, requests, max_tokens):
     sem = asyncio.Semaphore(conc)
-    async with httpx.AsyncClient(timeout=600) as http:
+    # as many connections as clients (httpx's default pool holds 100: more clients would queue in it)
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         async def guarded(i):
             async with sem:
                 return await one(http, base, CHATS[i % len(CHATS)], max_tokens)

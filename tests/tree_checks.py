@@ -127,6 +127,20 @@ def check_tree_expand(device, dtype):
         assert torch.equal(gc[0], rc[0]) and torch.equal(gc[2], rc[2]), f"tree expand candidates, k {k} kf {kf}"
         assert torch.allclose(gc[1], rc[1], atol=1e-5), f"tree expand candidate scores, k {k} kf {kf}"
         assert (rc[0][:, 5:] >= 0).all() and (rc[0][:, :5] == -7).all(), "only this depth's candidates written"
+    # near-certain children (one logit far above the rest): rounded, a child must still score at most its parent,
+    # or the selection could take it without its parent
+    rows = 32
+    logits = torch.randn(rows * 4, 1000, generator=g)
+    logits[torch.arange(rows * 4), torch.randint(0, 1000, (rows * 4,), generator=g)] += 30
+    parent = Frontier(tok=torch.zeros(rows, 4, dtype=torch.int64, device=device),
+                      score=(-3 * torch.rand(rows, 4, generator=g)).to(device),
+                      ids=torch.zeros(rows, 4, dtype=torch.int64, device=device),
+                      bits=torch.zeros(rows, 4, dtype=torch.int64, device=device),
+                      hidden=torch.zeros(rows, 4, 8, device=device, dtype=dtype))
+    cand = (torch.zeros(rows, 16, dtype=torch.int64, device=device), torch.zeros(rows, 16, device=device),
+            torch.zeros(rows, 16, dtype=torch.int64, device=device))
+    expand_depth(logits.to(device, dtype), parent, 4, None, 0, *cand)
+    assert (cand[1] <= parent.score.repeat_interleave(4, dim=1)).all(), "a child scored above its parent"
 
 
 @kernel_check

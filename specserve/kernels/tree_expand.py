@@ -107,7 +107,8 @@ def expand_depth_ref(logits: torch.Tensor, parent: Frontier, k: int, ids_map: to
 def expand_depth(logits: torch.Tensor, parent: Frontier, k: int, ids_map: torch.Tensor | None, next_id: int,
                  cand_tok: torch.Tensor, cand_score: torch.Tensor, cand_par: torch.Tensor) -> Frontier:
     """``expand_depth_ref`` in two kernels on the GPU."""
-    if not use_triton(logits) or not kernel_usable("tree_expand"):
+    if (not use_triton(logits) or not kernel_usable("tree_expand")
+            or not all(x.is_contiguous() for x in (cand_tok, cand_score, cand_par))):
         return expand_depth_ref(logits, parent, k, ids_map, next_id, cand_tok, cand_score, cand_par)
     b, kf = parent.score.shape
     rows, v = logits.shape
@@ -196,11 +197,12 @@ if HAVE_TRITON:
         child_t = tl.zeros((KFP, KP), dtype=tl.int64)
         for t in tl.static_range(K):
             best = tl.max(cv, 1)  # [KFP]
-            at = tl.min(tl.where(cv == best[:, None], q[None, :], NCP * KP), 1)
+            # clamped: a NaN row matches nothing, and a wrong token beats a read out of bounds
+            at = tl.minimum(tl.min(tl.where(cv == best[:, None], q[None, :], NCP * KP), 1), NC * KP - 1)
             tok = tl.load(PI + rows * (NC * KP) + at, mask=jm, other=0)
             if MAP:
                 tok = tl.load(IDS + tok, mask=jm, other=0)
-            sc = fscore + best - lse
+            sc = fscore + (best - lse)  # best <= lse: a child never scores above its parent, even rounded
             dst = b * C + NEXT + j * K + t
             tl.store(CTOK + dst, tok, mask=jm)
             tl.store(CSCORE + dst, sc, mask=jm)
@@ -215,7 +217,7 @@ if HAVE_TRITON:
         hs = tl.arange(0, BLOCK_H)
         for p in tl.static_range(K):
             best = tl.max(tl.max(child_s, 1), 0)
-            at = tl.min(tl.min(tl.where(cvalid & (child_s == best), cidx, KF * K), 1), 0)
+            at = tl.minimum(tl.min(tl.min(tl.where(cvalid & (child_s == best), cidx, KF * K), 1), 0), KF * K - 1)
             up = at // K
             tok = tl.sum(tl.sum(tl.where(cidx == at, child_t, 0), 1), 0)
             tl.store(OTOK + b * K + p, tok)
@@ -246,7 +248,7 @@ if HAVE_TRITON:
         sel = tl.zeros((NP,), dtype=tl.int64)
         for i in tl.static_range(N):
             best = tl.max(key, 0)
-            at = tl.min(tl.where(cm & (key == best), cs, CP), 0)
+            at = tl.minimum(tl.min(tl.where(cm & (key == best), cs, CP), 0), C - 1)  # clamped as above
             sel = tl.where(r == i, at, sel)
             key = tl.where(cs == at, float("-inf"), key)
         live = r < N
