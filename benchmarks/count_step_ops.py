@@ -97,7 +97,8 @@ def main() -> None:
     phases = collections.Counter()
     for (phase, _), n in counter.counts.items():
         phases[phase] += n
-    print(f"{f'tree {a.tree}' if a.tree else 'speculative' if a.spec else 'plain'} step: {sum(phases.values())} ops, by phase {dict(phases)}")
+    kind = f"tree {a.tree}" if a.tree else "speculative" if a.spec else "plain"
+    print(f"{kind} step: {sum(phases.values())} ops, by phase {dict(phases)}")
     for phase in phases:
         ops = sorted(((n, op) for (p, op), n in counter.counts.items() if p == phase), reverse=True)
         print(f"  {phase}: " + ", ".join(f"{op} x{n}" for n, op in ops))

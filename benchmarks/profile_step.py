@@ -125,8 +125,9 @@ def main() -> None:
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch,
               max_num_batched_tokens=max(2048, a.context + 1), **kw)
     res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline)
+    step_kind = "no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else f"D = {a.draft_len}"
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
-          f"(batch {a.batch}, context {a.context}, {'no speculation' if a.no_spec else f'tree {a.tree}' if a.tree else f'D = {a.draft_len}'})")
+          f"(batch {a.batch}, context {a.context}, {step_kind})")
     print(f"device timeline per step: {res['span_us_per_step']:.0f} us, of which gaps between a step's kernels "
           f"{res['gaps_in_steps_us_per_step']:.0f} us and idle (> 40 us, the host) {res['idle_us_per_step']:.0f} us")
     for k in res["kernels"][:a.top]:

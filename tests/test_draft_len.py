@@ -179,10 +179,10 @@ def test_expected_tokens_blend_own_acceptance_with_the_engines():
 
 
 def test_a_few_unlucky_first_steps_do_not_stop_the_deep_drafts():
-    """The H100 run's failure: after three steps at D = 4 that accepted 2, 0 and 0 drafts, the engine's counts and
-    the request's said positions 2-4 never accept, D = 1 won on batch-1 costs, and nothing drafted those positions
-    again. Thin counts now stay near the optimistic prior, so D = 4 is still tried; many such steps do end it."""
-    costs = StepCosts([1], [[0.49, 0.64, 0.65, 0.70, 0.69]])  # ms of batch-1 steps by D (H100, default model)
+    """The lock-in this guards against: after three steps at D = 4 that accepted 2, 0 and 0 drafts, the engine's
+    counts and the request's said positions 2-4 never accept, D = 1 won on batch-1 costs, and nothing drafted those
+    positions again. Thin counts now stay near the optimistic prior, so D = 4 is still tried; many such steps do end it."""
+    costs = StepCosts([1], [[0.49, 0.64, 0.65, 0.70, 0.69]])  # batch-1 step costs by D, default model on a GPU
     unlucky = SpecStats(drafted_per_pos=[3, 3, 3, 3], accepted_per_pos=[2, 0, 0, 0])
     p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: unlucky)
     assert p.choose([_Req([3, 3, 3, 3], [2, 0, 0, 0])]) == 4
