@@ -60,6 +60,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   profile      profile_step.py graph timelines at context CTX (256), speculative and plain (and with TREE=KxDxN
                a tree too), kernel by kernel (JSON in $OUT/profile-*.json; `profile_step.py --summarize FILE` gives a
                layer's costs)
+  prefillprof  profile_step.py --prefill: the graph timeline of the step that computes one fresh prompt of PREFILL
+               (2048) tokens, plain and with a random head, kernel by kernel, and its host time
   host         profile_host.py on the real model and HEAD with device events (host time per step)
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
  training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
@@ -98,7 +100,7 @@ EOF
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap overlaprand adaptive adaptiverand server scale1 scaleall
- steps profile host attention regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
+ steps profile prefillprof host attention regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
 OUT=${OUT:-/tmp/out}
@@ -267,6 +269,11 @@ for st in "$@"; do
                timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" --graphs \
                  --timeline --context "${CTX:-256}" --top 45 --json $OUT/profile-$s.json 2>&1 | quiet | tail -60
              done ;;
+    prefillprof) for s in plain spec; do a=(--draft random); [ $s = plain ] && a=(--no-spec)
+                   timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \
+                     --graphs --prefill --context "${PREFILL:-2048}" --top 30 --json $OUT/prefill-$s.json 2>&1 \
+                     | quiet | head -36
+                 done ;;
     host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
     attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \

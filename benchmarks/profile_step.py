@@ -5,7 +5,9 @@ The engine runs eagerly (``enforce_eager``) under ``torch.profiler`` for ``--ste
 The sum is the device's busy time per step: a CUDA-graph replay of the same step costs that plus the gaps
 between kernels, so comparing it with ``specserve bench --steps`` separates slow kernels from many kernels.
 ``--graphs`` profiles the replays the engine really runs instead, and splits the device's timeline into
-kernels, the gaps between a step's kernels and idle time between steps (the host's share).
+kernels, the gaps between a step's kernels and idle time between steps (the host's share). ``--prefill``
+profiles the steps that compute ``--batch`` fresh prompts of ``--context`` tokens instead (after a first set of
+prompts captured their graphs), with the engine's default token budget, and times them on the host as well.
 
     python benchmarks/profile_step.py --model random:llama-3.1-8b --draft random --forced-acceptance 1.64 \\
         --context 512 --json prof.json
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import defaultdict
 
 import torch
@@ -28,25 +31,51 @@ from specserve.bench.run import tree_shape
 from specserve.bench.timeline import format_layer_costs
 
 
-def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline: bool = False) -> dict:
+def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline: bool = False,
+            prefill: bool = False) -> dict:
     from specserve import SamplingParams
 
     eng = llm.engine
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     vocab = eng.model_config.vocab_size
-    for _ in range(batch):
-        eng.add_request(torch.randint(10, vocab, (context,), generator=g).tolist(), sp)
-    reqs = list(eng.requests.values())
-    while not all(r.num_output_tokens >= 2 for r in reqs):  # prefill (and the first drafts)
-        eng.step()
-    for _ in range(warmup):
-        eng.step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    wall_us = None
+
+    def start() -> list:
+        # fresh random prompts each time, so that prefix caching finds nothing to reuse
+        for _ in range(batch):
+            eng.add_request(torch.randint(10, vocab, (context,), generator=g).tolist(), sp)
+        return list(eng.requests.values())
+
+    def run_prompts(reqs: list) -> int:
+        n = 0
+        while not all(r.num_output_tokens >= 1 for r in reqs):  # the steps that compute the prompts
+            eng.step()
+            n += 1
+        return n
+
+    reqs = start()
+    run_prompts(reqs)
+    if prefill:  # the prompts' steps of a second set of requests, once the first set captured their graphs
+        for r in list(eng.requests):
+            eng.abort_request(r)
+        reqs = start()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            steps = run_prompts(reqs)
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6  # the profiler's own overhead included
+    else:
+        while not all(r.num_output_tokens >= 2 for r in reqs):  # the first drafts
+            eng.step()
+        for _ in range(warmup):
             eng.step()
         torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     spans = []
     for e in prof.events():
@@ -73,7 +102,7 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline
                 "idle_us_per_step": sum(g for g in gaps if g > idle_us) / steps}
     for r in list(eng.requests):
         eng.abort_request(r)
-    return {"batch": batch, "context": context, "steps": steps, **timeline,
+    return {"batch": batch, "context": context, "steps": steps, "wall_us": wall_us, **timeline,
             "kernels_per_step": sum(r[1] for r in rows), "busy_us_per_step": sum(r[2] for r in rows),
             "kernels": [{"name": n, "count": c, "us": us} for n, c, us in rows], "timeline": order}
 
@@ -99,6 +128,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile the steps that compute --batch prompts of --context tokens instead")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kv-cache-memory", type=int, default=None)
     ap.add_argument("--graphs", action="store_true",
@@ -122,12 +153,16 @@ def main() -> None:
         if a.forced_acceptance is not None:
             spec["forced_acceptance"] = a.forced_acceptance
     kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
-    llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch,
-              max_num_batched_tokens=max(2048, a.context + 1), **kw)
-    res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline)
+    if not a.prefill:  # a generation step's whole context in one prompt step
+        kw["max_num_batched_tokens"] = max(2048, a.context + 1)
+    llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch, **kw)
+    res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline, prefill=a.prefill)
     step_kind = "no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else f"D = {a.draft_len}"
+    what = f"{res['steps']} prompt steps" if a.prefill else f"context {a.context}"
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
-          f"(batch {a.batch}, context {a.context}, {step_kind})")
+          f"(batch {a.batch}, {what}, {step_kind})")
+    if res["wall_us"] is not None:
+        print(f"host time of the prompt steps: {res['wall_us']:.0f} us")
     print(f"device timeline per step: {res['span_us_per_step']:.0f} us, of which gaps between a step's kernels "
           f"{res['gaps_in_steps_us_per_step']:.0f} us and idle (> 40 us, the host) {res['idle_us_per_step']:.0f} us")
     for k in res["kernels"][:a.top]:
