@@ -61,7 +61,7 @@ def _random_lengths(llm: LLM, seed: int) -> list[int]:
     d = policy.max_draft_len
     first = [0, d, 1, d, 0, 0, d, d, 2 % (d + 1)]
 
-    def choose(requests):
+    def choose(requests, generation=False):
         chosen.append(first[len(chosen)] if len(chosen) < len(first) else rng.randint(0, d))
         return chosen[-1]
 
@@ -211,6 +211,59 @@ def test_the_choice_maximises_tokens_per_second():
     p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: SpecStats(
         drafted_per_pos=[100] * 4, accepted_per_pos=[80, 62, 48, 40]))
     assert [p.choose([_Req([], [])] * b) for b in (1, 3, 10)] == [4, 2, 0]
+
+
+def _run_policy(policy: DraftLenPolicy, requests: list, period: list[float], steps: int, monkeypatch) -> list[int]:
+    """``steps`` generation steps whose real seconds by D are ``period``, on a fake clock -> the D of each."""
+    import specserve.speculative.draft_len as draft_len
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_len.time, "perf_counter", lambda: clock[0])
+    chosen = []
+    for _ in range(steps):
+        chosen.append(policy.choose(requests, generation=True))
+        clock[0] += period[chosen[-1]]
+    return chosen
+
+
+def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypatch):
+    """The case the H100 showed at 128 rows: start-up costs (graph replays) ranked D = 3 first, but the engine was
+    host-bound and its real periods ranked D = 4 first (1.5x D = 3). Observed periods raise each D's estimate as it
+    runs, a D not run keeps its lower one and is tried next, and the engine settles on D = 4."""
+    measured = StepCosts([64, 128], [[1.0] * 5, [1.4e-3, 1.6e-3, 1.8e-3, 2.0e-3, 2.3e-3]])
+    real = [2.86e-3, 5.3e-3, 3.4e-3, 5.1e-3, 3.2e-3]
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
+    rows = [_Req([], [])] * 100
+    p = DraftLenPolicy(4, adaptive=True, costs=measured, prior=lambda: prior)
+    assert p.choose(rows) == 3  # the measured costs' choice
+    chosen = _run_policy(p, rows, real, 300, monkeypatch)
+    assert set(chosen[:150]) == {1, 2, 3, 4}  # each tried once its estimate led (D = 0 never could)
+    assert Counter(chosen[-100:])[4] == 100
+    assert p.costs == measured and p.live.seconds[1][4] == pytest.approx(3.2e-3, rel=0.01)
+    assert p.live.seconds[0] == [1.0] * 5  # other row counts untouched
+    # a period far past the estimate (an idle wait, a graph capture) moves it 12.5% at most
+    c = StepCosts([1], [[1.0, 2.0]])
+    c.observe(1, 1, 100.0)
+    c.observe(1, 0, 0.5)
+    c.observe(2, 1, 100.0)  # past the largest bucket: not recorded
+    assert c.seconds == [[0.875, 2.25]]
+
+
+def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
+    """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: every
+    ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds."""
+    from specserve.speculative.draft_len import PROBE_AFTER
+
+    costs = StepCosts([1], [[0.49e-3, 0.64e-3, 0.65e-3, 0.70e-3, 0.69e-3]])
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
+    unlucky = _Req([60] * 4, [2, 0, 0, 0])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
+    chosen = _run_policy(p, [unlucky], costs.seconds[0], 3 * PROBE_AFTER, monkeypatch)
+    probes = [i for i, d in enumerate(chosen) if d]
+    assert probes == [PROBE_AFTER - 1, 2 * PROBE_AFTER - 1, 3 * PROBE_AFTER - 1]
+    assert {chosen[i] for i in probes} == {2}  # the most tokens a second of D > 0 on these costs
+    lucky = _Req([60] * 4, [50, 40, 30, 25])  # what the probes found: drafting pays again
+    assert p.choose([lucky], generation=True) == 4
 
 
 def test_step_costs_are_checked_saved_and_loaded(tmp_path):

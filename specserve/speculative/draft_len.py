@@ -5,9 +5,14 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
 * fixed: every step drafts ``max_draft_len`` (the default);
 * ``draft_len_schedule`` (TensorRT-LLM's): {batch size: D}; a step of B rows drafts the D of the smallest key
   >= B, and 0 (no speculation) past the largest key;
-* ``adaptive_draft_len``: each step the D of most expected tokens per second, from the measured seconds of a
-  step of that many rows and that D (``StepCosts``, measured at engine start by ``measure_step_costs``, or
-  loaded from ``step_cost_file``) and the acceptance the batch's requests are getting (``expected_tokens``);
+* ``adaptive_draft_len``: each step the D of most expected tokens per second, from the seconds of a step of that
+  many rows and that D and the acceptance the batch's requests are getting (``expected_tokens``). The seconds
+  start as measured at engine start (``StepCosts``, by ``measure_step_costs``, or loaded from
+  ``step_cost_file``): synthetic steps without the engine's per-row host work (scheduling, token updates,
+  detokenizing), so they are lower bounds where the host is the bottleneck. Each generation step's observed
+  period (from one choice to the next) then moves its (rows, D) estimate towards what the engine really pays; a D
+  not run keeps its lower estimate, so it is tried once the one in use has grown past it (``observe``). After
+  ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover;
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -41,6 +46,13 @@ log = logging.getLogger("specserve")
 PRIOR_STEPS = 4.0
 # a step keeps the D of the step before unless another promises this much more tokens per second
 SWITCH_GAIN = 0.02
+# an observed step period moves its (rows, D) estimate by this share of the difference, counting at most
+# OBSERVE_CLIP times the estimate: a period that holds an idle wait or a graph capture moves it at most 12.5%
+OBSERVE_WEIGHT = 0.25
+OBSERVE_CLIP = 1.5
+# after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
+# verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start
+PROBE_AFTER = 32
 
 
 @dataclass
@@ -71,6 +83,18 @@ class StepCosts:
             return self.seconds[i]
         scale = rows / self.buckets[-1]
         return [t * scale for t in self.seconds[-1]]
+
+    def observe(self, rows: int, draft_len: int, seconds: float) -> None:
+        """Move the estimate of a step of ``rows`` rows and D = ``draft_len`` towards an observed period (module
+        docstring); rows past the largest bucket are not recorded."""
+        i = bisect.bisect_left(self.buckets, rows)
+        if i == len(self.buckets) or not 0 <= draft_len <= self.max_draft_len or seconds <= 0:
+            return
+        old = self.seconds[i][draft_len]
+        self.seconds[i][draft_len] = old + OBSERVE_WEIGHT * (min(seconds, OBSERVE_CLIP * old) - old)
+
+    def copy(self) -> "StepCosts":
+        return StepCosts(list(self.buckets), [list(s) for s in self.seconds])
 
     def as_dict(self) -> dict:
         return {"buckets": self.buckets, "seconds": self.seconds}
@@ -179,8 +203,20 @@ class DraftLenPolicy:
         self.gate = gate
         self.costs = costs  # None while adaptive: every step drafts the most (until the engine measures them)
         self.last: int | None = None  # the D chosen for the step before
+        self.zero_run = 0  # steps in a row the adaptive rule gave D = 0
+        self._timed: tuple[int, int, float] | None = None  # the last generation step's (rows, D, time chosen)
         empty = SpecStats()
         self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
+
+    @property
+    def costs(self) -> StepCosts | None:
+        """The step costs the engine measured or loaded; ``live`` holds their estimates as steps are observed."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: StepCosts | None) -> None:
+        self._costs = costs
+        self.live = None if costs is None else costs.copy()
 
     @classmethod
     def from_config(cls, spec) -> "DraftLenPolicy":
@@ -205,12 +241,29 @@ class DraftLenPolicy:
                 return min(d, self.max_draft_len)
         return 0
 
-    def choose(self, requests: list) -> int:
-        """The D of a step whose rows are these requests' (each has ``spec_stats``)."""
+    def choose(self, requests: list, generation: bool = False) -> int:
+        """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
+        verifies and samples (no prompt tokens), so the period until the next choice is this (rows, D)'s cost."""
+        now = time.perf_counter()
+        if self._timed is not None and self.live is not None:
+            rows, d_then, t = self._timed
+            self.live.observe(rows, d_then, now - t)
+        self._timed = None
         d = self._cap(len(requests))
-        if self.adaptive and self.costs is not None and d > 0:
+        if self.adaptive and self.live is not None and d > 0:
             tokens = expected_tokens([r.spec_stats for r in requests], self.prior(), self.max_draft_len)
-            d = best_draft_len(tokens, self.costs.row(len(requests)), d, self.last)
+            seconds = self.live.row(len(requests))
+            best = best_draft_len(tokens, seconds, d, self.last)
+            self.zero_run = self.zero_run + 1 if best == 0 else 0
+            if self.zero_run >= PROBE_AFTER:  # a probe: the best D > 0 for this step only (``PROBE_AFTER``)
+                self.zero_run = 0
+                rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1) + 1)]
+                d = 1 + int(np.argmax(rates))
+            else:
+                d = self.last = best
+            if generation:
+                self._timed = (len(requests), d, now)
+            return d
         self.last = d
         return d
 

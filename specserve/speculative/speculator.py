@@ -190,8 +190,11 @@ class Speculator(SpeculatorBase):
     def plan_step(self, sched, draft_len: int | None = None) -> int:
         """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
         ``draft_len`` where given: step-cost measurements)."""
-        self.step_draft_len = self.policy.choose([s.request for s in sched]) if draft_len is None else draft_len
-        return self.step_draft_len
+        if draft_len is None:
+            generation = all(s.sample and s.num_tokens == 1 + s.num_drafts for s in sched)
+            draft_len = self.policy.choose([s.request for s in sched], generation)
+        self.step_draft_len = draft_len
+        return draft_len
 
     def verify_q(self, max_drafts: int) -> int:
         """Tokens a row of a generation step's graph layout takes, for rows of at most ``max_drafts`` drafts: 1 + D,
