@@ -99,8 +99,9 @@ EOF
 }
 
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
-STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap overlaprand adaptive adaptiverand server scale1 scaleall
- steps profile prefillprof host attention regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
+STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
+STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
+STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
 OUT=${OUT:-/tmp/out}
@@ -264,7 +265,8 @@ for st in "$@"; do
                 --max-tokens 128 --num-prompts 8 --repeats 3 --kv-cache-memory 24000000000 --steps 1 \
                 --out $OUT/scaleall | tail -30 ;;
     steps) steps ;;
-    profile) for s in spec plain ${TREE:+tree}; do a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
+    profile) for s in spec plain ${TREE:+tree}; do
+               a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
                [ $s = tree ] && a=(--draft random --tree "$TREE")
                timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" --graphs \
                  --timeline --context "${CTX:-256}" --top 45 --json $OUT/profile-$s.json 2>&1 | quiet | tail -60
@@ -272,7 +274,7 @@ for st in "$@"; do
     prefillprof) for s in plain spec; do a=(--draft random); [ $s = plain ] && a=(--no-spec)
                    timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \
                      --graphs --prefill --context "${PREFILL:-2048}" --top 30 --json $OUT/prefill-$s.json 2>&1 \
-                     | quiet | head -36
+                     | quiet | sed -n 1,36p
                  done ;;
     host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;

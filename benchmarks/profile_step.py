@@ -7,7 +7,8 @@ between kernels, so comparing it with ``specserve bench --steps`` separates slow
 ``--graphs`` profiles the replays the engine really runs instead, and splits the device's timeline into
 kernels, the gaps between a step's kernels and idle time between steps (the host's share). ``--prefill``
 profiles the steps that compute ``--batch`` fresh prompts of ``--context`` tokens instead (after a first set of
-prompts captured their graphs), with the engine's default token budget, and times them on the host as well.
+prompts captured their graphs), with the engine's default token budget and without the overlap scheduler (each
+step collected before the next launches), and times them on the host as well.
 
     python benchmarks/profile_step.py --model random:llama-3.1-8b --draft random --forced-acceptance 1.64 \\
         --context 512 --json prof.json
@@ -153,7 +154,9 @@ def main() -> None:
         if a.forced_acceptance is not None:
             spec["forced_acceptance"] = a.forced_acceptance
     kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
-    if not a.prefill:  # a generation step's whole context in one prompt step
+    if a.prefill:  # each step collected before the next launches, so the prompt's steps are profiled alone
+        kw.update(async_output=False, overlap_scheduler=False)
+    else:  # a generation step's whole context in one prompt step
         kw["max_num_batched_tokens"] = max(2048, a.context + 1)
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch, **kw)
     res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline, prefill=a.prefill)

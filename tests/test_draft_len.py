@@ -215,10 +215,12 @@ def test_the_choice_maximises_tokens_per_second():
 
 def _run_policy(policy: DraftLenPolicy, requests: list, period: list[float], steps: int, monkeypatch) -> list[int]:
     """``steps`` generation steps whose real seconds by D are ``period``, on a fake clock -> the D of each."""
+    import types
+
     import specserve.speculative.draft_len as draft_len
 
     clock = [0.0]
-    monkeypatch.setattr(draft_len.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(draft_len, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     chosen = []
     for _ in range(steps):
         chosen.append(policy.choose(requests, generation=True))
@@ -241,12 +243,46 @@ def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypa
     assert Counter(chosen[-100:])[4] == 100
     assert p.costs == measured and p.live.seconds[1][4] == pytest.approx(3.2e-3, rel=0.01)
     assert p.live.seconds[0] == [1.0] * 5  # other row counts untouched
-    # a period far past the estimate (an idle wait, a graph capture) moves it 12.5% at most
+    # under tensor parallelism ranks must choose alike, and their clocks differ: no periods observed
+    tp = DraftLenPolicy(4, adaptive=True, costs=measured, prior=lambda: prior)
+    tp.timed = False
+    assert Counter(_run_policy(tp, rows, real, 100, monkeypatch)) == {3: 100} and tp.live == measured
+    # a period past the estimate (a graph capture) moves it 12.5% at most; one 8x past it is no step's cost (the
+    # engine waited for work) and is dropped
     c = StepCosts([1], [[1.0, 2.0]])
-    c.observe(1, 1, 100.0)
+    c.observe(1, 1, 3.5)
     c.observe(1, 0, 0.5)
+    c.observe(1, 0, 100.0)
     c.observe(2, 1, 100.0)  # past the largest bucket: not recorded
     assert c.seconds == [[0.875, 2.25]]
+
+
+def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatch):
+    """Under the overlap scheduler the period from one launch to the next mostly waits for the step before, so a
+    period counts only where the last two steps were generation steps of the same rows and D; a prompt step's or
+    a changed D's period is not recorded."""
+    costs = StepCosts([4], [[1.0, 1.5]])
+    p = DraftLenPolicy(1, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[100], accepted_per_pos=[90]))
+    rows = [_Req([], [])] * 4
+    import types
+
+    import specserve.speculative.draft_len as draft_len
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_len, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    for generation, dt in ((False, 5.0), (True, 2.5), (True, 2.5)):  # a prompt step, then two generation steps
+        assert p.choose(rows, generation) == 1
+        clock[0] += dt
+    assert p.live.seconds == [[1.0, 1.5]]  # the periods after the prompt step and after the first generation step
+    assert p.choose(rows, True) == 1  # the period after two alike generation steps: recorded
+    assert p.live.seconds == [[1.0, 1.6875]]  # 2.5 clipped to 1.5x 1.5, a quarter of the way
+    clock[0] += 2.5
+    assert p.choose(rows[:3], True) == 1
+    assert p.live.seconds == [[1.0, 1.890625]]
+    clock[0] += 2.5
+    p.choose(rows, True)  # the step before had 3 rows, the one before it 4: not recorded
+    assert p.live.seconds == [[1.0, 1.890625]]
 
 
 def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):

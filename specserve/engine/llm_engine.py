@@ -112,6 +112,7 @@ class LLMEngine:
         self.draft_policy = speculator.policy if speculator is not None else None
         if self.draft_policy is not None:
             self.draft_policy.prior = lambda: self.spec_stats
+            self.draft_policy.timed = not self.tp.active  # ranks' clocks differ; their choices must not
             if self.spec_config.adaptive_draft_len:  # rank 0's measurement: every rank chooses alike
                 self.draft_policy.costs = broadcast_object(self.tp, load_or_measure_costs(self))
         self.num_steps = 0  # model steps run (benchmarks)

@@ -47,9 +47,12 @@ PRIOR_STEPS = 4.0
 # a step keeps the D of the step before unless another promises this much more tokens per second
 SWITCH_GAIN = 0.02
 # an observed step period moves its (rows, D) estimate by this share of the difference, counting at most
-# OBSERVE_CLIP times the estimate: a period that holds an idle wait or a graph capture moves it at most 12.5%
+# OBSERVE_CLIP times the estimate (a period that holds a graph capture moves it at most 12.5%); a period past
+# OBSERVE_DROP times the estimate is not a step's cost (the engine waited for work) and is dropped. A host-bound
+# step measured 1.5-3.3x its start-up cost on the H100, so a real cost is reached in steps of 12.5%.
 OBSERVE_WEIGHT = 0.25
 OBSERVE_CLIP = 1.5
+OBSERVE_DROP = 8.0
 # after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
 # verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start
 PROBE_AFTER = 32
@@ -91,6 +94,8 @@ class StepCosts:
         if i == len(self.buckets) or not 0 <= draft_len <= self.max_draft_len or seconds <= 0:
             return
         old = self.seconds[i][draft_len]
+        if seconds > OBSERVE_DROP * old:
+            return
         self.seconds[i][draft_len] = old + OBSERVE_WEIGHT * (min(seconds, OBSERVE_CLIP * old) - old)
 
     def copy(self) -> "StepCosts":
@@ -171,6 +176,16 @@ def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int, curre
     return best
 
 
+@dataclass
+class _Launch:
+    """A step the policy chose D for (``DraftLenPolicy._launched``)."""
+
+    rows: int
+    draft_len: int
+    generation: bool
+    time: float  # perf_counter seconds at the choice
+
+
 class AcceptanceGate:
     """TensorRT-LLM's speculation gate: the acceptance rate (accepted / drafted) summed over the last ``window``
     speculative steps; below ``threshold`` once the window is full, speculation stops for good."""
@@ -204,7 +219,10 @@ class DraftLenPolicy:
         self.costs = costs  # None while adaptive: every step drafts the most (until the engine measures them)
         self.last: int | None = None  # the D chosen for the step before
         self.zero_run = 0  # steps in a row the adaptive rule gave D = 0
-        self._timed: tuple[int, int, float] | None = None  # the last generation step's (rows, D, time chosen)
+        # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
+        # and each rank's clock differs
+        self.timed = True
+        self._launched: deque[_Launch] = deque(maxlen=2)  # the last two steps chosen for
         empty = SpecStats()
         self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
 
@@ -243,29 +261,37 @@ class DraftLenPolicy:
 
     def choose(self, requests: list, generation: bool = False) -> int:
         """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
-        verifies and samples (no prompt tokens), so the period until the next choice is this (rows, D)'s cost."""
+        verifies and samples (no prompt tokens)."""
         now = time.perf_counter()
-        if self._timed is not None and self.live is not None:
-            rows, d_then, t = self._timed
-            self.live.observe(rows, d_then, now - t)
-        self._timed = None
+        self._observe_period(now)
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
             tokens = expected_tokens([r.spec_stats for r in requests], self.prior(), self.max_draft_len)
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
             self.zero_run = self.zero_run + 1 if best == 0 else 0
-            if self.zero_run >= PROBE_AFTER:  # a probe: the best D > 0 for this step only (``PROBE_AFTER``)
+            # a probe: the best D > 0 for this step only (``PROBE_AFTER``); ``last`` keeps 0
+            rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1, len(tokens) - 1) + 1)]
+            if self.zero_run >= PROBE_AFTER and rates:
                 self.zero_run = 0
-                rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1) + 1)]
                 d = 1 + int(np.argmax(rates))
             else:
                 d = self.last = best
-            if generation:
-                self._timed = (len(requests), d, now)
-            return d
-        self.last = d
+        else:
+            self.last = d
+        self._launched.append(_Launch(len(requests), d, generation, now))
         return d
+
+    def _observe_period(self, now: float) -> None:
+        """The period since the last choice, as the cost of the last step's (rows, D) where it is unambiguous: the
+        last two steps were generation steps of the same rows and D. (Under the overlap scheduler the period from
+        one launch to the next mostly waits for the step before to finish, so a period is the cost of a step where
+        both agree; a step that changes D, a probe included, is not recorded.)"""
+        if not (self.timed and self.live is not None and len(self._launched) == 2):
+            return
+        a, b = self._launched
+        if a.generation and b.generation and (a.rows, a.draft_len) == (b.rows, b.draft_len):
+            self.live.observe(b.rows, b.draft_len, now - b.time)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self.gate is not None:

@@ -191,7 +191,8 @@ class Speculator(SpeculatorBase):
         """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
         ``draft_len`` where given: step-cost measurements)."""
         if draft_len is None:
-            generation = all(s.sample and s.num_tokens == 1 + s.num_drafts for s in sched)
+            generation = all(s.sample and s.num_tokens == 1 + s.num_drafts and s.start >= s.request.num_prompt_tokens
+                             for s in sched)
             draft_len = self.policy.choose([s.request for s in sched], generation)
         self.step_draft_len = draft_len
         return draft_len
