@@ -8,7 +8,7 @@ speculation) per row. "views" is what a graph capture adds on top (a replay does
 views and the ops that expand them, run here eagerly on the CPU, timed separately and not part of the step
 figure.
 
-    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record]
+    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
-from specserve import LLM, SamplingParams  # noqa: E402
+from specserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 from specserve.runner.model_runner import Launched, RowResult  # noqa: E402
 from tiny_models import make_head, make_hf_model  # noqa: E402
@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt")
+    ap.add_argument("--final-only", action="store_true",
+                    help="requests report only when they end (output_kind FINAL_ONLY, as LLM.generate asks)")
     ap.add_argument("--whole-record", action="store_true",
                     help="stage every graph step's whole record (no in-place rewrite of the step before's)")
     a = ap.parse_args()
@@ -50,7 +52,8 @@ def main() -> None:
         runner.graphs = CudaGraphs(max(a.batch), runner._staging_buffers(), capture=False)
         real = runner.launch
         for b in a.batch:
-            sp = SamplingParams(temperature=0, max_tokens=10 ** 6, ignore_eos=True)
+            kind = RequestOutputKind.FINAL_ONLY if a.final_only else RequestOutputKind.CUMULATIVE
+            sp = SamplingParams(temperature=0, max_tokens=10 ** 6, ignore_eos=True, output_kind=kind)
             reqs = [eng.requests[eng.add_request([1 + i % 5 for i in range(a.prompt_len)], sp)] for _ in range(b)]
             while min(r.num_output_tokens for r in reqs) < 2:  # prefill (in chunks), then generation
                 eng.step()

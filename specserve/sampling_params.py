@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _TOPK_MAX = 2 ** 31 - 1  # past any vocabulary: top-k keeps every token
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 MAX_N = 128  # completions per prompt (OpenAI's limit)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which steps report a request (vLLM's names): ``CUMULATIVE``, every step that produced tokens (its output
+    holds the whole reply so far, and the step's ``delta_text`` / ``delta_token_ids``); ``FINAL_ONLY``, only the
+    step that finishes it, which spares the engine detokenizing and building an output for every row at every
+    step (``LLM.generate`` asks for it). vLLM's ``DELTA`` is not offered: a cumulative output carries the deltas."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -41,6 +52,7 @@ class SamplingParams:
     relaxed_acceptance: bool | None = None
     relaxed_topk: int | None = None
     relaxed_delta: float | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +99,8 @@ class SamplingParams:
             bad("relaxed_topk", "must be an integer >= 1")
         if self.relaxed_delta is not None and (not number(self.relaxed_delta) or not 0.0 <= self.relaxed_delta <= 1.0):
             bad("relaxed_delta", "must be a number in [0, 1]")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be RequestOutputKind.CUMULATIVE or RequestOutputKind.FINAL_ONLY")
 
     @property
     def greedy(self) -> bool:

@@ -121,6 +121,12 @@ class IncrementalDetokenizer:
         self.prefix = 0
         self.read = len(self.ids)
         self.text = ""
+        self._context = len(self.ids)
+
+    @property
+    def added(self) -> int:
+        """Tokens added so far (the reply's tokens decoded)."""
+        return len(self.ids) - self._context
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append tokens (one, or a speculative step's several: two decodes either way); returns the newly

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from specserve.core.request import CompletionOutput, RequestOutput
 from specserve.config import EngineArgs
 from specserve.engine.llm_engine import LLMEngine
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -60,6 +60,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
+        # only final outputs are returned, so the engine reports each request once, when it ends (vLLM does so too)
+        params = _final_only(params)
         ids: list[str | None] = []
         errors: dict[int, str] = {}
         for i, (p, sp) in enumerate(zip(plist, params)):
@@ -112,6 +114,17 @@ class LLM:
         for conv in convs:  # each message checked there (tokenizer.chat_message): text content parts are joined
             prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(conv)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, raise_on_error=raise_on_error)
+
+
+def _final_only(params: list) -> list:
+    """The requests' sampling parameters with ``output_kind`` FINAL_ONLY (one copy per distinct object; anything
+    else is left for ``add_request`` to refuse)."""
+    copies: dict[int, Any] = {}
+    for sp in params:
+        if id(sp) not in copies:
+            copies[id(sp)] = (dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                              if isinstance(sp, SamplingParams) else sp)
+    return [copies[id(sp)] for sp in params]
 
 
 def _as_prompt_list(prompts) -> list:

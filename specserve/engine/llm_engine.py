@@ -19,7 +19,7 @@ from specserve.distributed import (Commands, TensorParallel, broadcast_object, f
 from specserve.loaders import is_random_ref, load_model, resolve_model_path
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import parse_logprobs
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import RequestOutputKind, SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.checkpoint import check_head_folder, load_draft_head
 from specserve.speculative.draft_len import load_or_measure_costs
@@ -309,11 +309,15 @@ class LLMEngine:
             if not done:
                 raise error
             self._error = error
-        outs = [self._report(*x) for x in done]
-        # a family whose last completions ended in this step is reported finished once, by its last output
-        last = {o.request_id: i for i, o in enumerate(outs)}
-        for i, o in enumerate(outs):
+        reported = [(x[0], o) for x in done if (o := self._report(*x)) is not None]
+        # a family whose last completions ended in this step is reported finished once, by its last output (and a
+        # FINAL_ONLY family by that output alone)
+        last = {o.request_id: i for i, (_, o) in enumerate(reported)}
+        outs = []
+        for i, (req, o) in enumerate(reported):
             o.finished = o.finished and last[o.request_id] == i
+            if o.finished or req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outs.append(o)
         return outs
 
     def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int | None]]:
@@ -373,11 +377,20 @@ class LLMEngine:
         return done
 
     def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,
-                depth: int | None = None) -> RequestOutput:
+                depth: int | None = None) -> RequestOutput | None:
         """A collected step's output for one request: its text (unless stop strings detokenized it already) and
-        statistics."""
-        if appended and not req.params.stop:
-            self._detokenize(req, appended)
+        statistics; None for a ``FINAL_ONLY`` request that goes on (its text is decoded once, when it ends)."""
+        req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        ended = req.finished if req.family is None else req.family.finished
+        if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.finished:
+            if req.logprob_rows:
+                self._add_logprobs(req, appended)
+            return None
+        if not req.params.stop:
+            n = req.num_output_tokens - req.detokenizer.added  # this step's tokens, or a FINAL_ONLY request's all
+            if n:
+                self._detokenize(req, req.token_ids[-n:])
         if req.logprob_rows:
             self._add_logprobs(req, appended)
         # the text not reported yet, after stop strings; while one may still complete, the text it could begin
@@ -387,8 +400,8 @@ class LLMEngine:
             end = max(req.text_sent, end - max(len(s) for s in req.params.stop) + 1)
         delta = req.output_text[req.text_sent:end]
         req.text_sent = end
-        req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
-        self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not ended:
+            return None  # a completion of a family whose others go on: the family is reported when they end
         return self._output(req, delta, appended)
 
     def _add_logprobs(self, req: Request, new_ids: list[int]) -> None:
