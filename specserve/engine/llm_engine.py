@@ -400,8 +400,10 @@ class LLMEngine:
             end = max(req.text_sent, end - max(len(s) for s in req.params.stop) + 1)
         delta = req.output_text[req.text_sent:end]
         req.text_sent = end
-        if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not ended:
-            return None  # a completion of a family whose others go on: the family is reported when they end
+        if req.params.output_kind == RequestOutputKind.FINAL_ONLY:
+            if not ended:
+                return None  # a completion of a family whose others go on: the family is reported when they end
+            appended = req.output_token_ids  # its one report's delta is all of it, as its text is
         return self._output(req, delta, appended)
 
     def _add_logprobs(self, req: Request, new_ids: list[int]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -26,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.sampling_params import RequestOutputKind
 from specserve.server.async_engine import AsyncEngine, EngineFailed, QueueFull, ShuttingDown, usage_of
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (APIError, ServerOptions, body_field, chat_logprobs, check_messages,
@@ -248,6 +250,8 @@ def build_app(engine: AsyncEngine, model_name: str, opts: ServerOptions | None =
     async def _serve(request: Request, body: dict, prompt: list[int], chat: bool, params=None):
         params = params or sampling_params(body, chat, opts)
         stream = body_field(body, "stream", bool, False)
+        if not stream:  # the reply goes out whole: the engine need not report the request before it ends
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         options = body_field(body, "stream_options", dict, {})
         include_usage = body_field(options, "include_usage", bool, False)
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

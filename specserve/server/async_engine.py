@@ -8,7 +8,7 @@ import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from collections import deque
 
 from specserve.core.request import RequestOutput
 from specserve.engine.llm_engine import LLMEngine
@@ -29,13 +29,42 @@ class EngineFailed(Exception):
     """An engine step failed; every request in flight is ended with this error."""
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's outputs (or the exception that ends it), filled on its event loop's thread. A reader that
+    fell behind gets the outputs waiting for it as one (``get``): under load a client then receives a step's
+    worth of tokens per chunk instead of one chunk a step, and the event loop formats fewer chunks."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        """From any thread."""
+        self.loop.call_soon_threadsafe(self.push, item)
+
+    def push(self, item) -> None:
+        """On the loop's thread."""
+        self.items.append(item)
+        self.ready.set()
+
+    async def get(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.items.popleft()
+        while (isinstance(item, RequestOutput) and not item.finished and self.items
+               and isinstance(self.items[0], RequestOutput) and self.items[0].delta_index == item.delta_index):
+            later = self.items.popleft()  # cumulative: the later output, with both steps' deltas
+            later.delta_text = item.delta_text + later.delta_text
+            later.delta_token_ids = item.delta_token_ids + later.delta_token_ids
+            item = later
+        return item
+
+
+def _deliver(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, item in batch:
+        stream.push(item)
 
 
 class AsyncEngine:
@@ -68,12 +97,12 @@ class AsyncEngine:
                 raise QueueFull(f"{self._pending} requests in flight; the server admits {self.max_queue}")
             self._pending += 1
         rid = f"req-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         self._commands.put(("add", rid, prompt, params, stream))
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -115,13 +144,17 @@ class AsyncEngine:
                         eng.abort_request(rid)
                         self._finish(rid, EngineFailed(f"engine error: {type(e).__name__}: {e}"))
                     continue
+                # a step's outputs reach each event loop in one call (one wake-up, not one a request)
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         self.generated_tokens_total += len(out.delta_token_ids)
-                        stream.put(out)
+                        by_loop.setdefault(stream.loop, []).append((stream, out))
                         if out.finished:
                             self._finish(out.request_id)
+                for loop, batch in by_loop.items():
+                    loop.call_soon_threadsafe(_deliver, batch)
         for rid in list(self._streams):  # shutting down: cancel what is left
             eng.abort_request(rid)
             self._finish(rid, ShuttingDown("the server is shutting down"))
