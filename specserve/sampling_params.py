@@ -14,7 +14,9 @@ class RequestOutputKind(enum.IntEnum):
     """Which steps report a request (vLLM's names): ``CUMULATIVE``, every step that produced tokens (its output
     holds the whole reply so far, and the step's ``delta_text`` / ``delta_token_ids``); ``FINAL_ONLY``, only the
     step that finishes it, which spares the engine detokenizing and building an output for every row at every
-    step (``LLM.generate`` asks for it). vLLM's ``DELTA`` is not offered: a cumulative output carries the deltas."""
+    step (``LLM.generate`` asks for it). vLLM's ``DELTA`` is not offered: a cumulative output carries the deltas.
+    A FINAL_ONLY text is the tokenizer's decode of the whole reply; with a tokenizer whose decode cleans up spaces
+    around punctuation, text decoded step by step (CUMULATIVE) can differ from it there."""
 
     CUMULATIVE = 0
     FINAL_ONLY = 2

@@ -50,6 +50,8 @@ def test_final_only_reports_once_what_cumulative_reports_last(dirs, spec, extra)
     final, once = _run(llm, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
     assert [_summary(o) for o in final] == [_summary(o) for o in cumulative]
     assert all(o.finished for o in final) and once == len(PROMPTS) < every
+    # the engine counts every token either way (the server's throughput log reads it)
+    assert llm.engine.num_generated_tokens == 2 * sum(len(c.token_ids) for o in final for c in o.outputs)
     assert any(c.text for o in final for c in o.outputs)  # texts to compare, not empty ones
     if "stop" in extra:
         assert any(c.finish_reason == "stop" for o in final for c in o.outputs)

@@ -116,6 +116,7 @@ class LLMEngine:
             if self.spec_config.adaptive_draft_len:  # rank 0's measurement: every rank chooses alike
                 self.draft_policy.costs = broadcast_object(self.tp, load_or_measure_costs(self))
         self.num_steps = 0  # model steps run (benchmarks)
+        self.num_generated_tokens = 0  # tokens appended to requests, reported or not (the server's throughput log)
         self.requests: dict[str, Request] = {}
         self.families: dict[str, Family] = {}  # n > 1: the user's request id -> its completions
         self._ids = itertools.count()
@@ -382,17 +383,16 @@ class LLMEngine:
         statistics; None for a ``FINAL_ONLY`` request that goes on (its text is decoded once, when it ends)."""
         req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
         self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        self.num_generated_tokens += len(appended)
         ended = req.finished if req.family is None else req.family.finished
         if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.finished:
-            if req.logprob_rows:
-                self._add_logprobs(req, appended)
-            return None
+            return None  # its text and log-probabilities are made once, when it ends
         if not req.params.stop:
             n = req.num_output_tokens - req.detokenizer.added  # this step's tokens, or a FINAL_ONLY request's all
             if n:
                 self._detokenize(req, req.token_ids[-n:])
-        if req.logprob_rows:
-            self._add_logprobs(req, appended)
+        if req.logprob_rows:  # a row for each of the last tokens
+            self._add_logprobs(req, req.token_ids[-len(req.logprob_rows):])
         # the text not reported yet, after stop strings; while one may still complete, the text it could begin
         # with is held back (a later token would cut the text there), as vLLM does
         end = len(req.output_text)
@@ -403,7 +403,7 @@ class LLMEngine:
         if req.params.output_kind == RequestOutputKind.FINAL_ONLY:
             if not ended:
                 return None  # a completion of a family whose others go on: the family is reported when they end
-            appended = req.output_token_ids  # its one report's delta is all of it, as its text is
+            appended = req.output_token_ids  # its one report's delta is its completion's whole reply, as the text is
         return self._output(req, delta, appended)
 
     def _add_logprobs(self, req: Request, new_ids: list[int]) -> None:

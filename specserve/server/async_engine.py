@@ -1,5 +1,5 @@
 """An asyncio front for ``LLMEngine``: the engine steps in its own thread; requests and aborts reach it
-through a command queue, and each request's outputs come back on its own ``asyncio.Queue``."""
+through a command queue, and each request's outputs come back on its own stream (``_Stream``)."""
 
 from __future__ import annotations
 
@@ -144,12 +144,13 @@ class AsyncEngine:
                         eng.abort_request(rid)
                         self._finish(rid, EngineFailed(f"engine error: {type(e).__name__}: {e}"))
                     continue
+                # the engine's count: a FINAL_ONLY request (one that does not stream) reports its tokens once
+                self.generated_tokens_total = eng.num_generated_tokens
                 # a step's outputs reach each event loop in one call (one wake-up, not one a request)
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        self.generated_tokens_total += len(out.delta_token_ids)
                         by_loop.setdefault(stream.loop, []).append((stream, out))
                         if out.finished:
                             self._finish(out.request_id)
