@@ -49,7 +49,7 @@ SWITCH_GAIN = 0.02
 # an observed step period moves its (rows, D) estimate by this share of the difference, counting at most
 # OBSERVE_CLIP times the estimate (a period that holds a graph capture moves it at most 12.5%); a period past
 # OBSERVE_DROP times the estimate is not a step's cost (the engine waited for work) and is dropped. A host-bound
-# step measured 1.5-3.3x its start-up cost on the H100, so a real cost is reached in steps of 12.5%.
+# step can cost a few times its start-up measurement: the estimate climbs there in steps of up to 12.5%.
 OBSERVE_WEIGHT = 0.25
 OBSERVE_CLIP = 1.5
 OBSERVE_DROP = 8.0
