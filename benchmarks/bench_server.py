@@ -13,6 +13,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import shlex
 import socket
 import statistics
@@ -123,9 +124,19 @@ def level(base, conc, requests, max_tokens, procs=1):
             p.start()
             workers.append((p, ready))
         for p, ready in workers:
-            ready.wait()
+            if not ready.wait(120):
+                raise RuntimeError(f"a client process did not start (exit status {p.exitcode})")
         go.set()
-        parts = [out.get() for _ in workers]
+        parts = []
+        for _ in workers:  # a client process that died would leave its share unreported: fail, don't hang
+            while True:
+                try:
+                    parts.append(out.get(timeout=5))
+                    break
+                except queue.Empty:
+                    dead = [p.exitcode for p, _ in workers if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"a client process failed (exit status {dead[0]})") from None
         for p, _ in workers:
             p.join()
         wall = max(e for _, e, _ in parts) - min(s for s, _, _ in parts)
