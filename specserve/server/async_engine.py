@@ -78,9 +78,8 @@ class AsyncEngine:
         self._pending = 0  # submitted but not finished
         self._lock = threading.Lock()
         self.closing = False  # set when the drain begins: new requests are refused
-        # totals for the periodic throughput log (written by the engine thread only)
+        # the prompt tokens admitted, for the periodic throughput log (written by the engine thread only)
         self.prompt_tokens_total = 0
-        self.generated_tokens_total = 0
         self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -144,8 +143,6 @@ class AsyncEngine:
                         eng.abort_request(rid)
                         self._finish(rid, EngineFailed(f"engine error: {type(e).__name__}: {e}"))
                     continue
-                # the engine's count: a FINAL_ONLY request (one that does not stream) reports its tokens once
-                self.generated_tokens_total = eng.num_generated_tokens
                 # a step's outputs reach each event loop in one call (one wake-up, not one a request)
                 by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outs:
@@ -186,6 +183,11 @@ class AsyncEngine:
     def _release(self) -> None:
         with self._lock:
             self._pending -= 1
+
+    @property
+    def generated_tokens_total(self) -> int:
+        """Tokens the engine appended to requests (counted there: a request that does not stream reports once)."""
+        return self.engine.num_generated_tokens
 
     @property
     def num_pending(self) -> int:
