@@ -7,6 +7,8 @@ timed eagerly (triton.testing.do_bench) and its row says so.
 
     python benchmarks/bench_attention.py [--flex-configs 8] [--json FILE]     (CUDA)
 
+``--prefill``: the same for prompt chunks (positions from 0), beside PyTorch's SDPA over dense causal q, k, v.
+
 ``--sweep``: the Triton kernel's launch choices instead (key splits, keys per inner iteration, warps) for each
 shape, query count and context, with block tables as wide as the engine's graph layouts make them (a power of
 two of at least 256 positions), each timed as 30 calls inside one CUDA graph (a step's layers), per call.
@@ -98,14 +100,68 @@ def sweep(json_path: str | None) -> None:
                            date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
 
 
+def prefill_sweep(json_path: str | None) -> None:
+    """Prompt chunks (queries at positions 0 .. q-1 of each row): the Triton kernel's launch choices, and PyTorch's
+    SDPA over dense causal q, k, v (its flash kernel on CUDA) as the mark of what a prompt pass can take."""
+    import torch.nn.functional as F
+
+    rows = []
+    for shape, batch, q in (("smollm2-135m", 1, 512), ("smollm2-135m", 1, 2048), ("smollm2-135m", 1, 8000),
+                            ("smollm2-135m", 4, 512), ("llama-3.1-8b", 1, 2048)):
+        hq, hkv, d = SHAPES[shape]
+        need = -(-q // 16)
+        width = max(16, 1 << (need - 1).bit_length())  # the engine's graph table width (blocks)
+        x, kc, vc, tables, qidx, qpos, scale = case(shape, batch, q, width * 16 - 8)
+        qpos = qpos - qpos[:, :1]  # a prompt from position 0
+        ref = paged_attention_sdpa(x, kc, vc, tables, qidx, qpos, scale)
+        res = dict(shape=shape, batch=batch, q=q, keys=width * 16,
+                   default_us=graph_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale)))
+        # dense causal SDPA over the same keys, gathered beforehand (not timed): [B, H, q, D]
+        k = kc[tables].view(batch, -1, hkv, d)[:, :q].repeat_interleave(hq // hkv, 2).transpose(1, 2).contiguous()
+        v = vc[tables].view(batch, -1, hkv, d)[:, :q].repeat_interleave(hq // hkv, 2).transpose(1, 2).contiguous()
+        qd = x.view(batch, q, hq, d).transpose(1, 2).contiguous()
+        res["sdpa_dense_us"] = graph_us(lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=scale))
+        variants = {}
+        for splits in (1, None):
+            for bm in (64, 128):
+                for bn in (32, 64, 128):
+                    for warps in (4, 8):
+                        def fn(s=splits, m=bm, b=bn, w=warps):
+                            return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
+                                                          block_m=m, block_n=b, num_warps=w)
+                        try:
+                            out = fn()
+                        except Exception as e:  # e.g. out of shared memory for a wide tile
+                            print(f"  skip s{splits} m{bm} n{bn} w{warps}: {type(e).__name__}", flush=True)
+                            continue
+                        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                        if err > 2e-2:
+                            raise AssertionError(f"{shape} q={q} s={splits} m={bm} n={bn} w={warps}: {err}")
+                        variants[f"s{splits or 'auto'}-m{bm}-n{bn}-w{warps}"] = graph_us(fn)
+        best = min(variants, key=variants.get)
+        res.update(best=best, best_us=variants[best], variants=variants)
+        rows.append(res)
+        top = sorted(variants, key=variants.get)[:4]
+        print(f"{shape:<13} B={batch} q={q:>5}  default {res['default_us']:7.2f} us  sdpa dense "
+              f"{res['sdpa_dense_us']:7.2f}  best " + "  ".join(f"{k} {variants[k]:.2f}" for k in top), flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flex-configs", type=int, default=8, help="how many configurations also time Flex (compiles)")
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch choices instead")
+    p.add_argument("--prefill", action="store_true",
+                   help="time the Triton kernel's launch choices for prompt chunks, beside dense causal SDPA")
     a = p.parse_args()
     if a.sweep:
         return sweep(a.json)
+    if a.prefill:
+        return prefill_sweep(a.json)
     rows = []
     flex_left = a.flex_configs
     for shape in SHAPES:

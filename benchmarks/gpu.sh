@@ -64,6 +64,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                (2048) tokens, plain and with a random head, kernel by kernel, and its host time
   host         profile_host.py on the real model and HEAD with device events (host time per step)
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
+  prefillattn  bench_attention.py --prefill: the kernel's launch choices for prompt chunks of 512-8,000 tokens
+               (key splits, tile rows, keys per iteration, warps) beside dense causal SDPA; 200 s
  training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
   regen-gpteacher  the 2,118 greedy GPTeacher responses runs 8-10 trained on (706 prompts held out), or the
                carried .traindata/gpteacher-2118.pt (that file from git history, see TRAINING.md)
@@ -101,6 +103,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
+STAGES+=" prefillattn "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -280,6 +283,8 @@ for st in "$@"; do
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
     attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \
                  | grep -v Warning | tail -20 ;;
+    prefillattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --prefill --json $OUT/prefillattn.json \
+                   2>&1 | grep -v Warning | tail -20 ;;
     regen-gpteacher) if [ -f $D/gpteacher-2118.pt ]; then
                        mkdir -p /root/regen-gpteacher && cp $D/gpteacher-2118.pt /root/regen-gpteacher/data.pt
                        echo "carried $D/gpteacher-2118.pt"

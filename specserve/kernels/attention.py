@@ -58,11 +58,12 @@ BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 q
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
 
-def query_tiling(qw: int, g: int) -> tuple[int, int, int]:
+def query_tiling(qw: int, g: int, block_m: int | None = None) -> tuple[int, int, int]:
     """Query rows of a program's tile, queries per tile and tiles per row, for rows of ``qw`` queries and ``g``
     query heads per KV head (a tile packs a query's heads together: GQA heads and a row's 1 + D queries share
-    one ``tl.dot``)."""
-    block_m = max(16, min(64, 1 << (qw * g - 1).bit_length()))  # the next power of two, 16 to 64
+    one ``tl.dot``); ``block_m`` overrides the tile's rows (tuning)."""
+    if block_m is None:
+        block_m = max(16, min(64, 1 << (qw * g - 1).bit_length()))  # the next power of two, 16 to 64
     qpt = max(1, block_m // g)
     return block_m, qpt, -(-qw // qpt)
 
@@ -85,12 +86,12 @@ def partial_bytes(block_m: int, head_d: int) -> int:
 
 
 def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
-                 split_short: bool = False) -> tuple[int, int, int, int]:
+                 split_short: bool = False, block_m: int | None = None) -> tuple[int, int, int, int]:
     """A step of ``rows`` rows of ``qw`` queries, ``g`` query heads per KV head, ``hkv`` KV heads, head size
     ``head_d`` (a power of two) and ``keys`` table positions -> (query rows of a tile, queries per tile, tiles
     per row, default key splits). ``split_short``: the splits' merge costs no kernel of its own (the o
     projection merges them), so a short table of a decode or verify step splits too."""
-    block_m, qpt, n_qt = query_tiling(qw, g)
+    block_m, qpt, n_qt = query_tiling(qw, g, block_m)
     splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
                             short=split_short and block_m <= 32)
     return block_m, qpt, n_qt, splits
@@ -99,14 +100,16 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
 def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query_pos, scale: float,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            block_n: int | None = None, num_warps: int | None = None, flat_index=None,
-                           q_rows=None, split_short: bool = False, tree_bits=None, tree_base=None):
+                           q_rows=None, split_short: bool = False, tree_bits=None, tree_base=None,
+                           block_m: int | None = None):
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions (``SHORT_SPLIT`` positions per split for a small decode or verify step with ``split_short`` and
     ``flat_index``: its consumer merges the splits) or past ``MAX_PARTIALS`` bytes of partial sums and otherwise
     to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per
     inner iteration, default ``BLOCK_N``, at most a split's share where the table splits) and ``num_warps``
-    (Triton's default) are there for tuning (``benchmarks/bench_attention.py --sweep``). With ``flat_index`` [T]
+    (Triton's default) and ``block_m`` (a tile's query rows) are there for tuning (``benchmarks/bench_attention.py
+    --sweep``, ``--prefill``). With ``flat_index`` [T]
     (b * Qw + j of each flat token) a step of several splits returns its partial sums unmerged
     (``AttnPartials``), for a consumer that merges them itself (the o projection's ATTN_MERGE prologue,
     ``gemv.merged_linear``) or calls ``merge()``. With ``q_rows`` [T'] (int64): output
@@ -129,7 +132,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     head_d = triton.next_power_of_2(d)
     # qpt queries per tile, n_qt tiles per row
     block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys,
-                                                   split_short and flat_index is not None)
+                                                   split_short and flat_index is not None, block_m)
     num_splits = auto_splits if num_splits is None else num_splits
     share = triton.next_power_of_2(triton.cdiv(keys, num_splits))  # a split's keys, as a power of two
     # keys per inner iteration: where the table splits, at most a split's share, so that every split walks keys
