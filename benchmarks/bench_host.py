@@ -8,7 +8,7 @@ speculation) per row. "views" is what a graph capture adds on top (a replay does
 views and the ops that expand them, run here eagerly on the CPU, timed separately and not part of the step
 figure.
 
-    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only]
+    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only] [--zero-drafts]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from specserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 from specserve.runner.model_runner import Launched, RowResult  # noqa: E402
+from specserve.speculative.draft_len import StepCosts  # noqa: E402
 from tiny_models import make_head, make_hf_model  # noqa: E402
 
 
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt")
     ap.add_argument("--final-only", action="store_true",
                     help="requests report only when they end (output_kind FINAL_ONLY, as LLM.generate asks)")
+    ap.add_argument("--zero-drafts", action="store_true",
+                    help="speculation with the adaptive draft length held at D = 0 (its probes aside): what a step "
+                         "that drafts nothing adds over a plain engine's")
     ap.add_argument("--whole-record", action="store_true",
                     help="stage every graph step's whole record (no in-place rewrite of the step before's)")
     a = ap.parse_args()
@@ -46,9 +50,11 @@ def main() -> None:
     print(f"{'speculation':<12}{'batch':>6}{'host ms/step':>14}{'of which inputs ms':>20}{'views ms':>10}")
     for spec in (False, True):
         llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=max(a.batch),
-                  speculative_config=dict(method="eagle3", draft_model=str(root / "e3"), max_draft_len=4)
-                  if spec else None)
+                  speculative_config=dict(method="eagle3", draft_model=str(root / "e3"), max_draft_len=4,
+                                          adaptive_draft_len=a.zero_drafts) if spec else None)
         eng, runner = llm.engine, llm.engine.runner
+        if spec and a.zero_drafts:  # costs under which drafting never pays
+            runner.speculator.policy.costs = StepCosts([max(a.batch)], [[1e-3] + [1.0] * 4])
         runner.graphs = CudaGraphs(max(a.batch), runner._staging_buffers(), capture=False)
         real = runner.launch
         for b in a.batch:
@@ -70,8 +76,10 @@ def main() -> None:
                 t_in.append(t1 - t0)
                 runner.graph_batch(rec, switches, layout, batch.scheduled)
                 t_views.append(time.perf_counter() - t1)
-                return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2) if spec
-                                              else RowResult([7]) for s in batch.scheduled])
+                return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2)
+                                              if spec and s.next_drafts else
+                                              RowResult([7], [], s.num_drafts, 0) if spec else RowResult([7])
+                                              for s in batch.scheduled])
 
             runner.launch = stub
             t0 = time.perf_counter()

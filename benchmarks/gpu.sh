@@ -62,6 +62,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                layer's costs)
   prefillprof  profile_step.py --prefill: the graph timeline of the step that computes one fresh prompt of PREFILL
                (2048) tokens, plain and with a random head, kernel by kernel, and its host time
+  zeroprof     profile_step.py --graphs at batches ZERO_BATCHES (1 32), context 256: no speculation against a
+               random head with the adaptive draft length (which settles at D = 0): what a speculative step that
+               drafts nothing adds, device (kernels, gaps) and host (idle); 90 s each
   host         profile_host.py on the real model and HEAD with device events (host time per step)
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
   prefillattn  bench_attention.py --prefill: the kernel's launch choices for prompt chunks of 512-8,000 tokens
@@ -103,7 +106,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn "
+STAGES+=" prefillattn zeroprof "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -279,6 +282,13 @@ for st in "$@"; do
                      --graphs --prefill --context "${PREFILL:-2048}" --top 30 --json $OUT/prefill-$s.json 2>&1 \
                      | quiet | sed -n 1,36p
                  done ;;
+    zeroprof) for b in ${ZERO_BATCHES:-1 32}; do for s in plain adaptive; do
+                a=(--draft random --adaptive-draft-len); [ $s = plain ] && a=(--no-spec)
+                echo "--- batch $b, $s"
+                timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \
+                  --graphs --batch "$b" --context 256 --steps 40 --top 14 --json $OUT/zero-$s-$b.json 2>&1 \
+                  | quiet | sed -n 1,17p
+              done; done ;;
     host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
     attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \

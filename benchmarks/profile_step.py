@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--tree", default=None, metavar="KxDxN",
                     help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`)")
     ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument("--adaptive-draft-len", action="store_true",
+                    help="the adaptive draft length (with a random head it settles at D = 0: what a speculative "
+                         "engine's step that drafts nothing costs)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
@@ -153,6 +156,8 @@ def main() -> None:
             spec.update(topk=k, max_total_draft_tokens=n)
         if a.forced_acceptance is not None:
             spec["forced_acceptance"] = a.forced_acceptance
+        if a.adaptive_draft_len:
+            spec["adaptive_draft_len"] = True
     kw = {"kv_cache_memory_bytes": a.kv_cache_memory} if a.kv_cache_memory else {}
     if a.prefill:  # each step collected before the next launches, so the prompt's steps are profiled alone
         kw.update(async_output=False, overlap_scheduler=False)
@@ -160,7 +165,8 @@ def main() -> None:
         kw["max_num_batched_tokens"] = max(2048, a.context + 1)
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch, **kw)
     res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline, prefill=a.prefill)
-    step_kind = "no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else f"D = {a.draft_len}"
+    step_kind = ("no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else
+                 f"adaptive D <= {a.draft_len}" if a.adaptive_draft_len else f"D = {a.draft_len}")
     what = f"{res['steps']} prompt steps" if a.prefill else f"context {a.context}"
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
           f"(batch {a.batch}, {what}, {step_kind})")

@@ -286,20 +286,50 @@ def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatc
 
 
 def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
-    """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: every
-    ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds."""
-    from specserve.speculative.draft_len import PROBE_AFTER
+    """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: after
+    ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds, each probe
+    that changed nothing doubling the wait (up to ``PROBE_MAX``); once drafting pays again the wait starts over."""
+    from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
 
     costs = StepCosts([1], [[0.49e-3, 0.64e-3, 0.65e-3, 0.70e-3, 0.69e-3]])
     prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
     unlucky = _Req([60] * 4, [2, 0, 0, 0])
     p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
-    chosen = _run_policy(p, [unlucky], costs.seconds[0], 3 * PROBE_AFTER, monkeypatch)
+    chosen = _run_policy(p, [unlucky], costs.seconds[0], 7 * PROBE_AFTER, monkeypatch)
     probes = [i for i, d in enumerate(chosen) if d]
-    assert probes == [PROBE_AFTER - 1, 2 * PROBE_AFTER - 1, 3 * PROBE_AFTER - 1]
+    assert probes == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1, 7 * PROBE_AFTER - 1]
     assert {chosen[i] for i in probes} == {2}  # the most tokens a second of D > 0 on these costs
+    assert p.probe_after == 8 * PROBE_AFTER <= PROBE_MAX
     lucky = _Req([60] * 4, [50, 40, 30, 25])  # what the probes found: drafting pays again
     assert p.choose([lucky], generation=True) == 4
+    assert p.probe_after == PROBE_AFTER
+    for _ in range(20):  # probes change nothing for long: the wait stops growing at PROBE_MAX
+        p.zero_run = p.probe_after
+        assert p.choose([unlucky], generation=True) > 0
+    assert p.probe_after == PROBE_MAX
+
+
+def test_expected_tokens_are_reused_while_nothing_they_depend_on_changed(monkeypatch):
+    """At D = 0 no request's counts change, so the policy reuses its last expected tokens; a changed row, or
+    engine counts that moved (a request verified drafts), computes them again."""
+    import specserve.speculative.draft_len as draft_len
+
+    calls = []
+    real = draft_len.expected_tokens
+    monkeypatch.setattr(draft_len, "expected_tokens", lambda *a: calls.append(1) or real(*a))
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220], num_verify_steps=250,
+                      num_drafted=4000)
+    rows = [_Req([60] * 4, [50, 40, 30, 25]), _Req([60] * 4, [2, 0, 0, 0])]
+    p = DraftLenPolicy(4, adaptive=True, costs=StepCosts([2], [[1.0, 1.1, 1.2, 1.3, 1.4]]), prior=lambda: prior)
+    p.timed = False  # the costs as given (no observed periods of these instant calls)
+    first = p.choose(rows, True)
+    assert p.choose(rows, True) == first and len(calls) == 1
+    p.choose(rows[:1], True)  # another batch
+    p.choose(rows[:1], True)
+    assert len(calls) == 2
+    rows[0].spec_stats.accepted_per_pos = [0, 0, 0, 0]  # as a verify step records it, with the engine's counts
+    prior.num_verify_steps += 1
+    assert p.choose(rows[:1], True) == 0 and len(calls) == 3
 
 
 def test_step_costs_are_checked_saved_and_loaded(tmp_path):

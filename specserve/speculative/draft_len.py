@@ -12,7 +12,8 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   detokenizing), so they are lower bounds where the host is the bottleneck. Each generation step's observed
   period (from one choice to the next) then moves its (rows, D) estimate towards what the engine really pays; a D
   not run keeps its lower estimate, so it is tried once the one in use has grown past it (``observe``). After
-  ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover;
+  ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover (the
+  wait doubling after each probe that changed nothing, up to ``PROBE_MAX``);
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -54,8 +55,11 @@ OBSERVE_WEIGHT = 0.25
 OBSERVE_CLIP = 1.5
 OBSERVE_DROP = 8.0
 # after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
-# verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start
+# verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start. Each
+# probe that leaves the rule at D = 0 doubles the wait, up to PROBE_MAX steps (a head that never pays, e.g. on
+# prompts far from its training, costs a probe step and the verify step after it per PROBE_MAX steps, not 2 of 33)
 PROBE_AFTER = 32
+PROBE_MAX = 1024
 
 
 @dataclass
@@ -219,6 +223,10 @@ class DraftLenPolicy:
         self.costs = costs  # None while adaptive: every step drafts the most (until the engine measures them)
         self.last: int | None = None  # the D chosen for the step before
         self.zero_run = 0  # steps in a row the adaptive rule gave D = 0
+        self.probe_after = PROBE_AFTER  # the zero run that ends in a probe (doubles while probes change nothing)
+        # the last expected tokens and what they were computed from: a step at D = 0 changes no request's counts,
+        # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
+        self._tokens_memo: tuple[list, tuple, np.ndarray] | None = None
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
         self.timed = True
@@ -266,14 +274,17 @@ class DraftLenPolicy:
         self._observe_period(now)
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
-            tokens = expected_tokens([r.spec_stats for r in requests], self.prior(), self.max_draft_len)
+            tokens = self._expected_tokens([r.spec_stats for r in requests])
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
             self.zero_run = self.zero_run + 1 if best == 0 else 0
+            if best > 0:
+                self.probe_after = PROBE_AFTER
             # a probe: the best D > 0 for this step only (``PROBE_AFTER``); ``last`` keeps 0
             rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1, len(tokens) - 1) + 1)]
-            if self.zero_run >= PROBE_AFTER and rates:
+            if self.zero_run >= self.probe_after and rates:
                 self.zero_run = 0
+                self.probe_after = min(2 * self.probe_after, PROBE_MAX)
                 d = 1 + int(np.argmax(rates))
             else:
                 d = self.last = best
@@ -281,6 +292,19 @@ class DraftLenPolicy:
             self.last = d
         self._launched.append(_Launch(len(requests), d, generation, now))
         return d
+
+    def _expected_tokens(self, stats: list[SpecStats]) -> np.ndarray:
+        """``expected_tokens`` for these rows, reused while neither the rows nor the engine's counts (which every
+        request's verification adds to) changed since the last call."""
+        prior = self.prior()
+        counts = (prior.num_verify_steps, prior.num_drafted, prior.num_accepted)
+        memo = self._tokens_memo
+        if memo is not None and memo[1] == counts and len(memo[0]) == len(stats) and all(
+                a is b for a, b in zip(memo[0], stats)):  # the memo holds the objects: their ids are not reused
+            return memo[2]
+        tokens = expected_tokens(stats, prior, self.max_draft_len)
+        self._tokens_memo = (stats, counts, tokens)
+        return tokens
 
     def _observe_period(self, now: float) -> None:
         """The period since the last choice, as the cost of the last step's (rows, D) where it is unambiguous: the
