@@ -32,9 +32,10 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
                total: 2x4x7 3x5x7 4x4x12 4x6x24 8x8x48; 7 nodes verify 8 tokens, the most the few-row kernels take),
                plain decoding beside them; 580 s
-  prefix       TTFT of random prompts of 512, 2048 and 8000 tokens at batch 1, speculation off and on; then 16
-               requests over one 1,536-token document (+ 512 own tokens), and 8 four-turn conversations (512-token
-               first prompts, 64 new tokens a turn), with prefix caching on and off; 600 s
+  prefix       PREFIX_PARTS ("ttft shared turns"): ttft: TTFT of random prompts of LENS (512 2048 8000) tokens
+               at batch 1, speculation off and on; shared: 16 questions of QUESTION (64) tokens over one document of
+               DOC (6144) tokens; turns: 8 four-turn conversations (512-token first prompts, 64 new tokens a turn);
+               the last two with prefix caching on and off; 600 s
   summarize    Spec-Bench-style summarization at batch 1: SUM_N (32) documents of 1-2k tokens built from the
                GPTeacher files' own responses (benchmarks/summarization_prompts.py; .traindata/), 256 new tokens,
                plain and EAGLE-3; 300 s
@@ -233,16 +234,17 @@ for st in "$@"; do
              --tree ${TREES_SHAPES:-2x4x7 3x5x7 4x4x12 4x6x24 8x8x48} --max-tokens 256 --num-prompts 16 \
              --repeats 2 --out $OUT/trees | tail -40 ;;
     prefix) need_model || continue
-            for len in 512 2048 8000; do  # 8,000: room for the new tokens in max_model_len 8,192
+            parts=" ${PREFIX_PARTS:-ttft shared turns} "
+            [[ $parts == *" ttft "* ]] && for len in ${LENS:-512 2048 8000}; do  # 8,000: room for 64 new tokens
               bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len $len --batch-size 1 \
                 --max-tokens 64 --num-prompts 8 --repeats 2 --out $OUT/prefill-$len | tail -8
             done
-            bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --shared-prefix-len 1536 \
-              --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 16 --repeats 2 \
-              --out $OUT/shared-prefix | tail -14
-            bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 --random-input-len 512 --turns 4 --turn-len 64 \
-              --prefix-caching both --batch-size 1 8 --max-tokens 64 --num-prompts 8 --repeats 2 \
-              --out $OUT/multi-turn | tail -14 ;;
+            [[ $parts == *" shared "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
+              --random-input-len "${QUESTION:-64}" --shared-prefix-len "${DOC:-6144}" --prefix-caching both \
+              --batch-size 1 8 --max-tokens 64 --num-prompts 16 --repeats 2 --out $OUT/shared-prefix | tail -14
+            [[ $parts == *" turns "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
+              --random-input-len 512 --turns 4 --turn-len 64 --prefix-caching both --batch-size 1 8 --max-tokens 64 \
+              --num-prompts 8 --repeats 2 --out $OUT/multi-turn | tail -14 ;;
     summarize) need_model && python3 benchmarks/summarization_prompts.py $D/gpteacher-*.json --num "${SUM_N:-32}" \
                  --out /tmp/summarize.jsonl && bench "$(lim 300)" --model $M --draft $HEAD --draft-len 4 \
                  --batch-size 1 --prompts /tmp/summarize.jsonl --num-prompts "${SUM_N:-32}" --max-tokens 256 \
@@ -255,7 +257,7 @@ for st in "$@"; do
                    --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" --steps 1 \
                    --out $OUT/overlaprand | tail -40 ;;
     adaptive) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --fixed-draft-lens 1 2 3 \
-                --adaptive-draft-len --batch-size 1 8 32 64 128 --max-tokens 256 --num-prompts 16 --repeats 3 \
+                --adaptive-draft-len --batch-size 1 8 32 64 128 --max-tokens 256 --num-prompts 16 --repeats "${REPEATS:-3}" \
                 --out $OUT/adaptive | tail -40 ;;
     adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
                     --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
