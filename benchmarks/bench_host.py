@@ -8,7 +8,8 @@ speculation) per row. "views" is what a graph capture adds on top (a replay does
 views and the ops that expand them, run here eagerly on the CPU, timed separately and not part of the step
 figure.
 
-    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only] [--zero-drafts]
+    python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only]
+        [--zero-drafts]
 """
 
 from __future__ import annotations

@@ -257,8 +257,8 @@ for st in "$@"; do
                    --max-tokens 256 --num-prompts 16 --repeats 2 --rounds "${ROUNDS:-2}" --steps 1 \
                    --out $OUT/overlaprand | tail -40 ;;
     adaptive) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --fixed-draft-lens 1 2 3 \
-                --adaptive-draft-len --batch-size 1 8 32 64 128 --max-tokens 256 --num-prompts 16 --repeats "${REPEATS:-3}" \
-                --out $OUT/adaptive | tail -40 ;;
+                --adaptive-draft-len --batch-size 1 8 32 64 128 --max-tokens 256 --num-prompts 16 \
+                --repeats "${REPEATS:-3}" --out $OUT/adaptive | tail -40 ;;
     adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
                     --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
                     --repeats 3 --out $OUT/adaptiverand | tail -24 ;;
