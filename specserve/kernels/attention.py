@@ -54,9 +54,10 @@ SHORT_PROGRAMS = 32
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
-# A prompt chunk's tiles (more than 32 query rows) over a step of at least PROMPT_PROGRAMS (row, query tile, KV
-# head) programs fill the GPU without splitting keys: each tile walks its keys in one program (a causal tile's
-# keys end at its last query) and writes its output, so there are no partial sums to write and merge.
+# Prompt chunks (layouts of more than 32 queries a row; decode, verify and tree steps have fewer) over a step of at
+# least PROMPT_PROGRAMS (row, query tile, KV head) programs fill the GPU without splitting keys: each tile walks its
+# keys in one program (a causal tile's keys end at its last query) and writes its output, so there are no partial
+# sums to write and merge.
 PROMPT_PROGRAMS = 256
 # TEMPORARY (measurement only, removed once decided): "splits,block_m,block_n,warps" for prompt tiles
 _PROMPT_OVERRIDE = os.environ.get("SPECSERVE_PROMPT_ATTN")
@@ -78,7 +79,7 @@ def default_splits(keys: int, programs: int, tile_bytes: int, short: bool = Fals
     """Key splits of a step with ``keys`` table positions and ``programs`` (row, query tile, KV head)
     programs, each split's partial sums ``tile_bytes`` a program: up to ``ONE_SPLIT_KEYS`` positions
     ``SHORT_SPLIT`` positions a split for a step of few programs (``short``: decode and verify tiles), else one;
-    one for prompt tiles (``prompt``) over at least ``PROMPT_PROGRAMS`` programs, or where the partial sums would
+    one for prompt chunks (``prompt``) over at least ``PROMPT_PROGRAMS`` programs, or where the partial sums would
     pass ``MAX_PARTIALS``; else ``SPLIT`` positions a split, at least ``MIN_SPLITS``."""
     if prompt and programs >= PROMPT_PROGRAMS:
         return 1
@@ -101,7 +102,7 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
     projection merges them), so a short table of a decode or verify step splits too."""
     block_m, qpt, n_qt = query_tiling(qw, g, block_m)
     splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
-                            short=split_short and block_m <= 32, prompt=qw * g > 32)
+                            short=split_short and block_m <= 32, prompt=qw > 32)
     return block_m, qpt, n_qt, splits
 
 
@@ -128,7 +129,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    if _PROMPT_OVERRIDE and qw * g > 32 and num_splits is None and block_m is None:
+    if _PROMPT_OVERRIDE and qw > 32 and num_splits is None and block_m is None:
         num_splits, block_m, block_n, num_warps = (int(v) or None for v in _PROMPT_OVERRIDE.split(","))
     if g > 64:
         raise ValueError(f"the Triton attention kernel packs at most 64 query heads per KV head, got {g}")
