@@ -59,6 +59,30 @@ def timed(fn) -> tuple[float, str]:
         return do_bench(fn, return_mode="median") * 1e3, "eager"
 
 
+def checked_us(fn, ref: torch.Tensor, label: str) -> float:
+    """``fn``'s time per call (``graph_us``) once its output matches ``ref`` (relative error at most 2%)."""
+    out = fn()
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if err > 2e-2:
+        raise AssertionError(f"{label}: relative error {err}")
+    return graph_us(fn)
+
+
+def keep_best(res: dict, variants: dict[str, float], rows: list) -> str:
+    """Record the variants and the best of them in ``res``, append it to ``rows`` -> the four fastest, printable."""
+    best = min(variants, key=variants.get)
+    res.update(best=best, best_us=variants[best], variants=variants)
+    rows.append(res)
+    return "  ".join(f"{k} {variants[k]:.2f}" for k in sorted(variants, key=variants.get)[:4])
+
+
+def dump(json_path: str | None, rows: list) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+
+
 def sweep(json_path: str | None) -> None:
     rows = []
     cases = [("smollm2-135m", q, c) for q in (1, 5) for c in (200, 400, 1000)] + \
@@ -83,21 +107,12 @@ def sweep(json_path: str | None) -> None:
                     def fn(s=splits, b=bn, w=warps):
                         return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
                                                       block_n=b, num_warps=w)
-                    out = fn()
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    if err > 2e-2:
-                        raise AssertionError(f"{shape} q={q} ctx={context} splits={splits} bn={bn} w={warps}: {err}")
-                    variants[f"s{splits}-n{bn}-w{warps}"] = graph_us(fn)
-        best = min(variants, key=variants.get)
-        res.update(best=best, best_us=variants[best], variants=variants)
-        rows.append(res)
-        top = sorted(variants, key=variants.get)[:4]
+                    variants[f"s{splits}-n{bn}-w{warps}"] = checked_us(
+                        fn, ref, f"{shape} q={q} ctx={context} splits={splits} bn={bn} w={warps}")
+        top = keep_best(res, variants, rows)
         print(f"{shape:<13} q={q} ctx={context:>5} keys={width * 16:>5}  default {res['default_us']:6.2f} us  best "
-              + "  ".join(f"{k} {variants[k]:.2f}" for k in top), flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+              + top, flush=True)
+    dump(json_path, rows)
 
 
 def prefill_sweep(json_path: str | None) -> None:
@@ -129,25 +144,17 @@ def prefill_sweep(json_path: str | None) -> None:
                         def fn(s=splits, m=bm, b=bn, w=warps):
                             return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
                                                           block_m=m, block_n=b, num_warps=w)
+                        label = f"s{splits}-m{bm}-n{bn}-w{warps}"
                         try:
-                            out = fn()
+                            fn()
                         except Exception as e:  # e.g. out of shared memory for a wide tile
-                            print(f"  skip s{splits} m{bm} n{bn} w{warps}: {type(e).__name__}", flush=True)
+                            print(f"  skip {label}: {type(e).__name__}", flush=True)
                             continue
-                        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                        if err > 2e-2:
-                            raise AssertionError(f"{shape} q={q} s={splits} m={bm} n={bn} w={warps}: {err}")
-                        variants[f"s{splits}-m{bm}-n{bn}-w{warps}"] = graph_us(fn)
-        best = min(variants, key=variants.get)
-        res.update(best=best, best_us=variants[best], variants=variants)
-        rows.append(res)
-        top = sorted(variants, key=variants.get)[:4]
+                        variants[label] = checked_us(fn, ref, f"{shape} B={batch} q={q} {label}")
+        top = keep_best(res, variants, rows)
         print(f"{shape:<13} B={batch} q={q:>5}  default {res['default_us']:7.2f} us  sdpa dense "
-              f"{res['sdpa_dense_us']:7.2f}  best " + "  ".join(f"{k} {variants[k]:.2f}" for k in top), flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+              f"{res['sdpa_dense_us']:7.2f}  best " + top, flush=True)
+    dump(json_path, rows)
 
 
 def main() -> None:
@@ -193,10 +200,7 @@ def main() -> None:
         print(f"{r['shape']:<14}{r['batch']:>4}{r['q']:>3}{r['context']:>6}{cell('triton'):>11}"
               f"{cell('sdpa'):>11}{cell('flex'):>11}{r['rel_err_triton']:>9.1e}")
     print("(* timed eagerly: capture failed)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           date=time.strftime("%Y-%m-%d %H:%M"), rows=rows), f, indent=1)
+    dump(a.json, rows)
 
 
 if __name__ == "__main__":
