@@ -28,6 +28,9 @@ from specserve.kernels.attention import (build_mask, flex_block_mask, paged_atte
                                          paged_attention_triton)
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}
+# --prefill: (shape, rows, prompt tokens a row)
+PREFILL_CASES = (("smollm2-135m", 1, 512), ("smollm2-135m", 1, 2048), ("smollm2-135m", 1, 8000),
+                 ("smollm2-135m", 4, 512), ("llama-3.1-8b", 1, 2048))
 
 
 def case(shape: str, batch: int, q: int, context: int, block: int = 16):
@@ -121,8 +124,7 @@ def prefill_sweep(json_path: str | None) -> None:
     import torch.nn.functional as F
 
     rows = []
-    for shape, batch, q in (("smollm2-135m", 1, 512), ("smollm2-135m", 1, 2048), ("smollm2-135m", 1, 8000),
-                            ("smollm2-135m", 4, 512), ("llama-3.1-8b", 1, 2048)):
+    for shape, batch, q in PREFILL_CASES:
         hq, hkv, d = SHAPES[shape]
         need = -(-q // 16)
         width = max(16, 1 << (need - 1).bit_length())  # the engine's graph table width (blocks)
