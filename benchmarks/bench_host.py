@@ -68,6 +68,10 @@ def main() -> None:
             t_views: list[float] = []
 
             def stub(batch):
+                if spec:  # the drafts the step proposes, as the runner's launch chooses them
+                    most = runner.speculator.plan_step(batch.scheduled)
+                    for s in batch.scheduled:
+                        s.next_drafts = most
                 if a.whole_record:
                     runner._last_record = None
                 t0 = time.perf_counter()
@@ -78,7 +82,7 @@ def main() -> None:
                 runner.graph_batch(rec, switches, layout, batch.scheduled)
                 t_views.append(time.perf_counter() - t1)
                 return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2)
-                                              if spec and s.next_drafts else
+                                              if spec and s.next_drafts > 0 else
                                               RowResult([7], [], s.num_drafts, 0) if spec else RowResult([7])
                                               for s in batch.scheduled])
 

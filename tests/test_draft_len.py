@@ -327,9 +327,13 @@ def test_expected_tokens_are_reused_while_nothing_they_depend_on_changed(monkeyp
     p.choose(rows[:1], True)  # another batch
     p.choose(rows[:1], True)
     assert len(calls) == 2
+    p.choose([_Req([60] * 4, [50, 40, 30, 25])], True)  # as many rows, another request: its own counts
+    assert len(calls) == 3
+    p.choose(rows[:1], True)
+    assert len(calls) == 4
     rows[0].spec_stats.accepted_per_pos = [0, 0, 0, 0]  # as a verify step records it, with the engine's counts
     prior.num_verify_steps += 1
-    assert p.choose(rows[:1], True) == 0 and len(calls) == 3
+    assert p.choose(rows[:1], True) == 0 and len(calls) == 5
 
 
 def test_step_costs_are_checked_saved_and_loaded(tmp_path):

@@ -57,7 +57,9 @@ OBSERVE_DROP = 8.0
 # after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
 # verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start. Each
 # probe that leaves the rule at D = 0 doubles the wait, up to PROBE_MAX steps (a head that never pays, e.g. on
-# prompts far from its training, costs a probe step and the verify step after it per PROBE_MAX steps, not 2 of 33)
+# prompts far from its training, costs a probe step and the verify step after it per PROBE_MAX steps, not 2 of 33).
+# The wait is not reset when a request joins: with no counts of its own it is judged by the engine's, the best
+# evidence there is (probes correct a request's own unlucky counts, which the engine's would not)
 PROBE_AFTER = 32
 PROBE_MAX = 1024
 
