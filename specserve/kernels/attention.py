@@ -10,8 +10,8 @@ Work split: one program per (row, query tile, KV head, key split). The query hea
 queries costs about what a decode step costs. Keys are split in ranges of ``SPLIT`` positions so that a
 batch of one still spreads over many SMs (flash-decoding); a split past a row's last position exits at
 once, and a second kernel merges the splits' partial softmax sums. Up to ``ONE_SPLIT_KEYS`` key positions,
-where split partial sums would pass ``MAX_PARTIALS`` bytes (a prefill of many long prompts), or for a prompt chunk
-of at least ``PROMPT_PROGRAMS`` programs, one program covers them all and writes the output itself: no partial buffers, no second launch (there a launch costs
+or where split partial sums would pass ``MAX_PARTIALS`` bytes (a prefill of many long prompts), one program
+covers them all and writes the output itself: no partial buffers, no second launch (there a launch costs
 more than splitting saves; past it, the sweep found the opposite). A small decode or verify step whose
 consumer merges the splits without a kernel of its own (the o projection's prologue) splits a short table
 too, in ``SHORT_SPLIT``-position splits.
@@ -54,14 +54,6 @@ SHORT_PROGRAMS = 32
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
-# Prompt chunks (layouts of more than 32 queries a row, no draft tree; decode and verify steps have fewer) over a
-# step of at least PROMPT_PROGRAMS (row, query tile, KV head) programs fill the GPU without splitting keys: each
-# tile walks its keys in one program (a causal tile's keys end at its last query) and writes its output, so there
-# are no partial sums to write and merge. An eager step that mixes a prompt chunk with generation rows takes it too:
-# their rows walk their keys unsplit while the chunk's tiles keep the GPU busy.
-PROMPT_PROGRAMS = 256
-# TEMPORARY (measurement only, removed once decided): "splits,block_m,block_n,warps" for prompt tiles
-_PROMPT_OVERRIDE = os.environ.get("SPECSERVE_PROMPT_ATTN")
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -76,14 +68,12 @@ def query_tiling(qw: int, g: int, block_m: int | None = None) -> tuple[int, int,
     return block_m, qpt, -(-qw // qpt)
 
 
-def default_splits(keys: int, programs: int, tile_bytes: int, short: bool = False, prompt: bool = False) -> int:
+def default_splits(keys: int, programs: int, tile_bytes: int, short: bool = False) -> int:
     """Key splits of a step with ``keys`` table positions and ``programs`` (row, query tile, KV head)
     programs, each split's partial sums ``tile_bytes`` a program: up to ``ONE_SPLIT_KEYS`` positions
     ``SHORT_SPLIT`` positions a split for a step of few programs (``short``: decode and verify tiles), else one;
-    one for prompt chunks (``prompt``) over at least ``PROMPT_PROGRAMS`` programs, or where the partial sums would
-    pass ``MAX_PARTIALS``; else ``SPLIT`` positions a split, at least ``MIN_SPLITS``."""
-    if prompt and programs >= PROMPT_PROGRAMS:
-        return 1
+    one where the partial sums would pass ``MAX_PARTIALS``; else ``SPLIT`` positions a split, at least
+    ``MIN_SPLITS``."""
     if keys <= ONE_SPLIT_KEYS:
         return max(1, min(MIN_SPLITS, -(-keys // SHORT_SPLIT))) if short and programs <= SHORT_PROGRAMS else 1
     splits = max(MIN_SPLITS, -(-keys // SPLIT))
@@ -96,15 +86,14 @@ def partial_bytes(block_m: int, head_d: int) -> int:
 
 
 def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
-                 split_short: bool = False, block_m: int | None = None,
-                 tree: bool = False) -> tuple[int, int, int, int]:
+                 split_short: bool = False, block_m: int | None = None) -> tuple[int, int, int, int]:
     """A step of ``rows`` rows of ``qw`` queries, ``g`` query heads per KV head, ``hkv`` KV heads, head size
     ``head_d`` (a power of two) and ``keys`` table positions -> (query rows of a tile, queries per tile, tiles
     per row, default key splits). ``split_short``: the splits' merge costs no kernel of its own (the o
     projection merges them), so a short table of a decode or verify step splits too."""
     block_m, qpt, n_qt = query_tiling(qw, g, block_m)
     splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
-                            short=split_short and block_m <= 32, prompt=qw > 32 and not tree)
+                            short=split_short and block_m <= 32)
     return block_m, qpt, n_qt, splits
 
 
@@ -116,8 +105,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     """q [T, Hq, D]; k_cache/v_cache [N, block_size, Hkv, D]; block_tables [B, M]; query_index,
     query_pos [B, Qw] -> out [T, Hq, D]. ``num_splits`` defaults to one up to ``ONE_SPLIT_KEYS`` table
     positions (``SHORT_SPLIT`` positions per split for a small decode or verify step with ``split_short`` and
-    ``flat_index``: its consumer merges the splits), for a prompt chunk of ``PROMPT_PROGRAMS`` programs or more
-    (``default_splits``) or past ``MAX_PARTIALS`` bytes of partial sums and otherwise
+    ``flat_index``: its consumer merges the splits) or past ``MAX_PARTIALS`` bytes of partial sums and otherwise
     to ``SPLIT`` positions per split, at least ``MIN_SPLITS`` splits (``launch_shape``); ``block_n`` (keys per
     inner iteration, default ``BLOCK_N``, at most a split's share where the table splits) and ``num_warps``
     (Triton's default) and ``block_m`` (a tile's query rows) are there for tuning (``benchmarks/bench_attention.py
@@ -132,8 +120,6 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     b, qw = query_index.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    if _PROMPT_OVERRIDE and qw > 32 and tree_bits is None and num_splits is None and block_m is None:
-        num_splits, block_m, block_n, num_warps = (int(v) or None for v in _PROMPT_OVERRIDE.split(","))
     if g > 64:
         raise ValueError(f"the Triton attention kernel packs at most 64 query heads per KV head, got {g}")
     tree = tree_bits is not None
@@ -146,7 +132,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
     head_d = triton.next_power_of_2(d)
     # qpt queries per tile, n_qt tiles per row
     block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys,
-                                                   split_short and flat_index is not None, block_m, tree)
+                                                   split_short and flat_index is not None, block_m)
     num_splits = auto_splits if num_splits is None else num_splits
     share = triton.next_power_of_2(triton.cdiv(keys, num_splits))  # a split's keys, as a power of two
     # keys per inner iteration: where the table splits, at most a split's share, so that every split walks keys
