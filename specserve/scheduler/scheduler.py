@@ -20,6 +20,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from specserve.cache.kv_cache import BlockPool, block_keys
 from specserve.config import SchedulerConfig
@@ -50,6 +51,20 @@ class ScheduledRequest:
         self.num_drafts = len(req.spec_token_ids)
         self.num_tokens = req.num_tokens - req.num_computed_tokens + self.num_drafts
         self.after = None
+
+
+class RowView(NamedTuple):
+    """A request as the next step sees it (``Scheduler._view``)."""
+
+    computed: int  # tokens in the KV cache
+    known: int  # tokens known
+    drafts: int  # drafts to verify
+    after: ScheduledRequest | None  # its row in the step in flight, when that row samples
+
+    @property
+    def need(self) -> int:
+        """Tokens to compute: the known ones not yet in the KV cache, plus drafts to verify."""
+        return self.known - self.computed + self.drafts
 
 
 @dataclass
@@ -83,23 +98,24 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _view(self, req: Request) -> tuple[int, int, int, ScheduledRequest | None]:
-        """(computed, known, drafts, after): tokens in the KV cache, tokens known, drafts to verify, as they will
-        be after the step in flight if it accepts every draft; ``after`` its row when that row samples (the
-        device corrects the next row from its result)."""
+    def _view(self, req: Request) -> RowView:
+        """The request's tokens in the KV cache, tokens known and drafts to verify as they will be after the step
+        in flight if it accepts every draft; ``after`` its row when that row samples (the device corrects the next
+        row from its result). Computed once per row and step: nothing the schedule does to other requests changes
+        it."""
         e = req.in_flight
         if e is None or e.discard:
-            return req.num_computed_tokens, req.num_tokens, len(req.spec_token_ids), None
+            return RowView(req.num_computed_tokens, len(req.token_ids), len(req.spec_token_ids), None)
         computed = e.start + e.num_tokens
         if not e.sample:  # a prompt chunk: nothing sampled, nothing to correct
-            return computed, req.num_tokens, 0, None
+            return RowView(computed, len(req.token_ids), 0, None)
         known = computed + 1  # accepted drafts and the bonus
         planned = e.next_drafts if e.next_drafts >= 0 else self.cfg.max_draft_len  # what its step drafts
         drafts = min(planned, max(0, req.max_total_tokens - known - 1))
         if drafts and self.cfg.num_verify_drafts > self.cfg.max_draft_len:
             # a tree's nodes under a room limit are known on the device only: the most its step drafts
             drafts = planned if e.next_drafts >= 0 else self.cfg.num_verify_drafts
-        return computed, known, drafts, e
+        return RowView(computed, known, drafts, e)
 
     @staticmethod
     def _ends_in_flight(req: Request) -> bool:
@@ -108,21 +124,16 @@ class Scheduler:
         return (e is not None and not e.discard and e.sample
                 and e.start + e.num_tokens - e.num_drafts + 1 >= req.max_total_tokens)
 
-    def _slots(self, req: Request, n: int) -> int:
-        computed, known, _, _ = self._view(req)
-        end = computed + n
+    def _slots(self, v: RowView, n: int) -> int:
+        """KV slots a row needs to compute ``n`` tokens from view ``v``."""
+        end = v.computed + n
         # a step that reaches the end of the known tokens also writes the draft loop's slots past them
-        return end + (self.cfg.num_lookahead_slots if end >= known else 0)
+        return end + (self.cfg.num_lookahead_slots if end >= v.known else 0)
 
-    def _need(self, req: Request) -> int:
-        """Tokens to compute: the known ones not yet in the KV cache, plus drafts to verify."""
-        computed, known, drafts, _ = self._view(req)
-        return known - computed + drafts
-
-    def _entry(self, req: Request, n: int, column: int) -> ScheduledRequest:
-        computed, known, _, after = self._view(req)
-        k = known - computed
-        return ScheduledRequest(req, computed, n, n >= k, max(0, n - k), column, after)
+    @staticmethod
+    def _entry(req: Request, v: RowView, n: int, column: int) -> ScheduledRequest:
+        k = v.known - v.computed
+        return ScheduledRequest(req, v.computed, n, n >= k, max(0, n - k), column, v.after)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)  # registered blocks stay cached: it may find them again
@@ -145,16 +156,18 @@ class Scheduler:
             if self._ends_in_flight(req):
                 i += 1
                 continue
-            n = min(self._need(req), budget)
-            while not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
+            v = self._view(req)
+            n = min(v.need, budget)
+            slots = self._slots(v, n)
+            while not self.pool.can_reserve(req.block_ids, slots):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                self.pool.reserve(req.block_ids, self._slots(req, n))
-                out.scheduled.append(self._entry(req, n, len(out.scheduled)))
+                self.pool.reserve(req.block_ids, slots)
+                out.scheduled.append(self._entry(req, v, n, len(out.scheduled)))
                 budget -= n
                 i += 1
                 continue
@@ -164,18 +177,20 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_computed_tokens == 0 and not req.block_ids:
                     self._take_cached(req)
-                n = min(self._need(req), budget)
-                if not self.pool.can_reserve(req.block_ids, self._slots(req, n)):
+                v = self._view(req)
+                n = min(v.need, budget)
+                slots = self._slots(v, n)
+                if not self.pool.can_reserve(req.block_ids, slots):
                     self.pool.free(req.block_ids)  # the cached blocks too: taken again when it fits
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
-                self.pool.reserve(req.block_ids, self._slots(req, n))
+                self.pool.reserve(req.block_ids, slots)
                 req.status = RequestStatus.RUNNING
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = time.perf_counter()
                 self.running.append(req)
-                out.scheduled.append(self._entry(req, n, len(out.scheduled)))
+                out.scheduled.append(self._entry(req, v, n, len(out.scheduled)))
                 budget -= n
         return out
 
@@ -194,8 +209,8 @@ class Scheduler:
     def cache_blocks(self, req: Request) -> None:
         """Prefix caching: register the request's full blocks whose KV is computed and whose key's tokens are
         known (called after each of its steps is collected, and before it finishes)."""
-        if not self.pool.caching:
-            return
+        if not self.pool.caching or req.num_computed_tokens // self.pool.block_size <= req.num_registered:
+            return  # no full block computed since the last call (most steps of a generating request)
         keys = block_keys(req.block_keys, req.token_ids, self.pool.block_size, self.key_after)
         n = min(len(keys), req.num_computed_tokens // self.pool.block_size, len(req.block_ids))
         if n > req.num_registered:
