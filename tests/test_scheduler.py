@@ -39,6 +39,8 @@ def test_pool_reserve_free_and_reserved_padding_block():
     assert not pool.can_reserve(blocks, 17)
     with pytest.raises(RuntimeError, match="exhausted"):
         pool.reserve(blocks, 17)
+    assert not pool.try_reserve(blocks, 17) and len(blocks) == 3  # nothing taken when it does not fit
+    assert pool.try_reserve(blocks, 16) and len(blocks) == 4 and pool.num_free == 0
     pool.free(blocks)
     assert blocks == [] and pool.num_free == 4
 

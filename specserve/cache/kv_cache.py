@@ -68,9 +68,18 @@ class BlockPool:
 
     def reserve(self, block_ids: list[int], num_slots: int) -> None:
         """Grow ``block_ids`` in place so it covers ``num_slots`` slots (reserve-ahead included)."""
-        need = self.blocks_needed(block_ids, num_slots)
-        if need > self.num_free:
+        if not self.try_reserve(block_ids, num_slots):
+            need = self.blocks_needed(block_ids, num_slots)
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free} free")
+
+    def try_reserve(self, block_ids: list[int], num_slots: int) -> bool:
+        """``reserve`` where the pool can hold it -> whether it did (the scheduler's test and grow in one, once a
+        row and step)."""
+        need = self.blocks_needed(block_ids, num_slots)
+        if need == 0:
+            return True
+        if need > self.num_free:
+            return False
         for _ in range(need):
             if self._free:
                 block = self._free.popleft()
@@ -79,6 +88,7 @@ class BlockPool:
                 del self._by_key[self._key_of.pop(block)]
             self._ref[block] = 1
             block_ids.append(block)
+        return True
 
     def free(self, block_ids: list[int]) -> None:
         """Release every block of a request and empty its list; a block nobody holds any more goes back to the

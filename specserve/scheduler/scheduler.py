@@ -159,14 +159,13 @@ class Scheduler:
             v = self._view(req)
             n = min(v.need, budget)
             slots = self._slots(v, n)
-            while not self.pool.can_reserve(req.block_ids, slots):
+            while not self.pool.try_reserve(req.block_ids, slots):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                self.pool.reserve(req.block_ids, slots)
                 out.scheduled.append(self._entry(req, v, n, len(out.scheduled)))
                 budget -= n
                 i += 1
@@ -180,12 +179,11 @@ class Scheduler:
                 v = self._view(req)
                 n = min(v.need, budget)
                 slots = self._slots(v, n)
-                if not self.pool.can_reserve(req.block_ids, slots):
+                if not self.pool.try_reserve(req.block_ids, slots):
                     self.pool.free(req.block_ids)  # the cached blocks too: taken again when it fits
                     req.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
-                self.pool.reserve(req.block_ids, slots)
                 req.status = RequestStatus.RUNNING
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = time.perf_counter()
