@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import random
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,16 @@ from specserve.tokenizer import IncrementalDetokenizer
 __all__ = ["EngineArgs", "EngineConfig", "LLMEngine"]  # EngineArgs lives in specserve.config, importable here
 
 log = logging.getLogger("specserve")
+
+
+class Collected(NamedTuple):
+    """One request's part of a collected step (``LLMEngine._collect``), for ``_report``."""
+
+    request: Request
+    appended: list[int]  # tokens appended
+    num_drafts: int  # drafts verified
+    num_accepted: int  # drafts accepted
+    depth: int | None  # a verified tree's depth
 
 
 class LLMEngine:
@@ -310,7 +321,7 @@ class LLMEngine:
             if not done:
                 raise error
             self._error = error
-        reported = [(x[0], o) for x in done if (o := self._report(*x)) is not None]
+        reported = [(x.request, o) for x in done if (o := self._report(*x)) is not None]
         # a family whose last completions ended in this step is reported finished once, by its last output (and a
         # FINAL_ONLY family by that output alone)
         last = {o.request_id: i for i, (_, o) in enumerate(reported)}
@@ -321,13 +332,12 @@ class LLMEngine:
                 outs.append(o)
         return outs
 
-    def _collect(self, launched) -> list[tuple[Request, list[int], int, int, int | None]]:
+    def _collect(self, launched) -> list[Collected]:
         """Wait for a launched step and apply its tokens: appended in order (nothing after the token that ends a
         request), finished requests released, the next drafts kept, and the rows of a step launched since that
         continue these set to their true start and drafts (or dropped, where the request ended). What the next
         schedule depends on is done here; the rest (detokenizing without stop strings, outputs, statistics) waits
-        for ``_report``. -> (request, tokens appended, drafts verified, drafts accepted, a verified tree's depth) per
-        sampling row."""
+        for ``_report``. -> a ``Collected`` per sampling row."""
         batch = launched.batch
         done = []
         proposed = None
@@ -362,7 +372,7 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 if req.family is not None and req.family.finished:
                     self.families.pop(req.family.request_id, None)
-            done.append((req, appended, entry.num_drafts, res.num_accepted, res.depth))
+            done.append(Collected(req, appended, entry.num_drafts, res.num_accepted, res.depth))
             if self.draft_policy is not None and entry.sample:  # the drafts its step proposed
                 req.spec_stats.record_step(entry.next_drafts)
                 proposed = entry.next_drafts
@@ -374,7 +384,7 @@ class LLMEngine:
         if self.draft_policy is not None and done:
             if proposed is not None:  # a step that sampled for some request still running or ended by it
                 self.spec_stats.record_step(proposed)
-            self.draft_policy.observe(sum(x[2] for x in done), sum(x[3] for x in done))  # the gate's window
+            self.draft_policy.observe(sum(x.num_drafts for x in done), sum(x.num_accepted for x in done))  # the gate
         return done
 
     def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,
