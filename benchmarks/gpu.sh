@@ -288,7 +288,7 @@ for st in "$@"; do
                 a=(--draft random --adaptive-draft-len); [ $s = plain ] && a=(--no-spec)
                 echo "--- batch $b, $s"
                 timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \
-                  --graphs --batch "$b" --context 256 --steps 40 --top 14 --json $OUT/zero-$s-$b.json 2>&1 \
+                  --graphs --batch "$b" --context 256 --warmup 40 --steps 40 --top 14 --json $OUT/zero-$s-$b.json 2>&1 \
                   | quiet | sed -n 1,17p
               done; done ;;
     host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \

@@ -132,6 +132,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="generation steps before the profiled ones (with --adaptive-draft-len, past the first "
+                         "probe at D = 0, 32 steps in, so that the profiled steps are D = 0 steps)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the steps that compute --batch prompts of --context tokens instead")
     ap.add_argument("--top", type=int, default=25)
@@ -164,7 +167,7 @@ def main() -> None:
     else:  # a generation step's whole context in one prompt step
         kw["max_num_batched_tokens"] = max(2048, a.context + 1)
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch, **kw)
-    res = profile(llm, a.batch, a.context, a.steps, timeline=a.timeline, prefill=a.prefill)
+    res = profile(llm, a.batch, a.context, a.steps, warmup=a.warmup, timeline=a.timeline, prefill=a.prefill)
     step_kind = ("no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else
                  f"adaptive D <= {a.draft_len}" if a.adaptive_draft_len else f"D = {a.draft_len}")
     what = f"{res['steps']} prompt steps" if a.prefill else f"context {a.context}"
