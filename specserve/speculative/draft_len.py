@@ -183,6 +183,15 @@ def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int, curre
 
 
 @dataclass
+class _TokensMemo:
+    """The last expected tokens (``DraftLenPolicy._expected_tokens``) and what they were computed from."""
+
+    stats: list[SpecStats]  # the rows' counts objects
+    counts: tuple[int, int, int]  # the engine's verify steps, drafted and accepted
+    tokens: np.ndarray  # [D+1]
+
+
+@dataclass
 class _Launch:
     """A step the policy chose D for (``DraftLenPolicy._launched``)."""
 
@@ -228,7 +237,7 @@ class DraftLenPolicy:
         self.probe_after = PROBE_AFTER  # the zero run that ends in a probe (doubles while probes change nothing)
         # the last expected tokens and what they were computed from: a step at D = 0 changes no request's counts,
         # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
-        self._tokens_memo: tuple[list, tuple, np.ndarray] | None = None
+        self._tokens_memo: _TokensMemo | None = None
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
         self.timed = True
@@ -301,11 +310,11 @@ class DraftLenPolicy:
         prior = self.prior()
         counts = (prior.num_verify_steps, prior.num_drafted, prior.num_accepted)
         memo = self._tokens_memo
-        if memo is not None and memo[1] == counts and len(memo[0]) == len(stats) and all(
-                a is b for a, b in zip(memo[0], stats)):  # the memo holds the objects: their ids are not reused
-            return memo[2]
+        if memo is not None and memo.counts == counts and len(memo.stats) == len(stats) and all(
+                a is b for a, b in zip(memo.stats, stats)):  # the memo holds the objects: their ids are not reused
+            return memo.tokens
         tokens = expected_tokens(stats, prior, self.max_draft_len)
-        self._tokens_memo = (stats, counts, tokens)
+        self._tokens_memo = _TokensMemo(stats, counts, tokens)
         return tokens
 
     def _observe_period(self, now: float) -> None:
