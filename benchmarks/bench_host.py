@@ -2,9 +2,9 @@
 device work replaced by a stub, so the figure is what the host adds to every step whatever the GPU does.
 
 A tiny random model, B requests in the generation phase, graph layouts (padded, as on CUDA), 200 steps;
-the stub (in place of the runner's ``launch``) stages the step's inputs exactly as the runner does before a
-CUDA-graph replay (``stage_graph``: the compact record and its upload) and returns one token (three with
-speculation) per row. "views" is what a graph capture adds on top (a replay does not): the record's device
+the stub (in place of the runner's ``launch``) chooses the step's draft length as the launch does (with
+speculation), stages the step's inputs exactly as the runner does before a CUDA-graph replay (``stage_graph``: the
+compact record and its upload) and returns one token (three with speculation where the step drafted) per row. "views" is what a graph capture adds on top (a replay does not): the record's device
 views and the ops that expand them, run here eagerly on the CPU, timed separately and not part of the step
 figure.
 
