@@ -18,7 +18,7 @@ from specserve.speculative.draft_len import (AcceptanceGate, DraftLenPolicy, Ste
                                              cost_buckets, engine_rates, expected_tokens)
 from accept_helpers import chi2_critical, chi2_homogeneity, make_small_vocab, sample_replies
 from test_overlap import OracleHead, _llm
-from tiny_models import PROMPTS, make_head, make_hf_model
+from tiny_models import PROMPTS, make_head, make_target_and_eagle3
 
 GREEDY = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)
 
@@ -26,8 +26,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft_len")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    make_target_and_eagle3(root)
     make_head(root / "mtp1", root / "target", "mtp", num_modules=1, seed=2)
     make_head(root / "mtp3", root / "target", "mtp", num_modules=3, seed=3)
     return root

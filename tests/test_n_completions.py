@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams
-from tiny_models import PROMPTS, make_head, make_hf_model
+from tiny_models import PROMPTS, make_target_and_eagle3
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("n")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    make_target_and_eagle3(root)
     return root
 
 

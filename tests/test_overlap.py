@@ -14,14 +14,13 @@ from specserve.config import EngineArgs
 from specserve.core.metrics import SpecStats
 from specserve.runner.cuda_graph import CudaGraphs
 from specserve.speculative.heads import DraftHead, DraftInputs
-from tiny_models import PROMPTS, abort_while_running, make_head, make_hf_model
+from tiny_models import PROMPTS, abort_while_running, make_head, make_hf_model, make_target_and_eagle3
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("overlap")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
-    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    make_target_and_eagle3(root)
     make_head(root / "mtp1", root / "target", "mtp", num_modules=1, seed=2)
     make_head(root / "mtp2", root / "target", "mtp", num_modules=2, seed=3)
     return root

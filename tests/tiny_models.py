@@ -234,3 +234,11 @@ def abort_while_running(eng, params, steps: int) -> tuple[str, list[str], object
             final = out if out.finished else final
     return gone, seen, final
 
+
+
+def make_target_and_eagle3(root: Path) -> Path:
+    """The engine tests' usual pair under ``root``: a 2-layer Llama ``target`` whose random weights make greedy
+    choices clear-cut (initializer_range 0.4) and an EAGLE-3 head ``eagle3`` sharing its output layer -> root."""
+    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=2)
+    make_head(root / "eagle3", root / "target", "eagle3", own_head=False, seed=1)
+    return root
