@@ -30,8 +30,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                transformers eager and static cache + compile; 500 s
   throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
-               total: 2x4x7 3x5x7 4x4x12 4x6x24 8x8x48; 7 nodes verify 8 tokens, the most the few-row kernels take),
-               plain decoding beside them; 580 s
+               total: 2x4x7 3x5x7 4x4x12 4x6x24 8x8x48; 7 nodes verify 8 tokens, the most the few-row kernels take;
+               each step the tree or the chain by measured cost, SHAPE:B the tree up to B rows), plain decoding
+               beside them; 580 s
   prefix       PREFIX_PARTS ("ttft shared turns"): ttft: TTFT of random prompts of LENS (512 2048 8000) tokens
                at batch 1, speculation off and on; shared: 16 questions of QUESTION (64) tokens over one document of
                DOC (6144) tokens; turns: 8 four-turn conversations (512-token first prompts, 64 new tokens a turn);

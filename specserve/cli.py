@@ -84,6 +84,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "chain of drafts)")
     sp.add_argument("--max-total-draft-tokens", type=int, default=None,
                     help="nodes of a draft tree the target verifies (default: topk x draft-len, at most 63)")
+    sp.add_argument("--tree-max-batch-size", type=int, default=None, metavar="B",
+                    help="draft trees: steps of more than B rows draft a chain (default: each step the tree or the "
+                         "chain of more expected tokens per second, by step costs measured at start on CUDA graphs; "
+                         "8 rows elsewhere)")
     sp.add_argument("--draft-len-schedule", type=_schedule_arg, default=None, metavar="B:D[,B:D...]",
                     help="draft length by batch size (TensorRT-LLM's draft_len_schedule): a step of B rows drafts the "
                          "D of the smallest key >= B, none past the largest (e.g. 4:4,8:2,32:1)")
@@ -142,6 +146,7 @@ def engine_args(a: argparse.Namespace):
                                    ("--mtp-eagle", a.mtp_eagle, None), ("--relaxed-acceptance", a.relaxed_acceptance,
                                                                         False), ("--topk", a.topk, s.topk),
                                    ("--max-total-draft-tokens", a.max_total_draft_tokens, None),
+                                   ("--tree-max-batch-size", a.tree_max_batch_size, None),
                                    ("--forced-acceptance", a.forced_acceptance, None),
                                    ("--draft-len-schedule", a.draft_len_schedule, None),
                                    ("--adaptive-draft-len", a.adaptive_draft_len, False),
@@ -154,7 +159,7 @@ def engine_args(a: argparse.Namespace):
     spec = None
     if draft is not None and not a.no_spec:
         spec = dict(method=a.method, draft_model=draft, max_draft_len=a.draft_len, topk=a.topk,
-                    max_total_draft_tokens=a.max_total_draft_tokens,
+                    max_total_draft_tokens=a.max_total_draft_tokens, tree_max_batch_size=a.tree_max_batch_size,
                     forced_acceptance=a.forced_acceptance, use_relaxed_acceptance_for_thinking=a.relaxed_acceptance,
                     relaxed_topk=a.relaxed_topk, relaxed_delta=a.relaxed_delta,
                     begin_thinking_phase_token=_token_arg(a.begin_thinking_token),
@@ -276,7 +281,9 @@ def _bench_parser(sub) -> None:
                         "(speculative_config adaptive_draft_len)")
     b.add_argument("--tree", dest="trees", nargs="*", default=[], metavar="KxDxN",
                    help="also run these draft trees (topk x depth x total draft tokens, e.g. 4x5x24) beside the "
-                        "chain of --draft-len drafts, each a speculative engine of its own")
+                        "chain of --draft-len drafts, each a speculative engine of its own; each step drafts the tree "
+                        "or a chain by measured cost (CUDA graphs), or with :B after the shape (e.g. 4x5x24:64) the "
+                        "tree at up to B rows (tree_max_batch_size)")
     b.add_argument("--prefix-caching", default="on", choices=["on", "off", "both"],
                    help="automatic prefix caching (the cache is emptied before each timed run: a run reuses only what "
                         "its own requests share); both: each engine with it, then without")

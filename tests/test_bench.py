@@ -9,7 +9,7 @@ import time
 import pytest
 
 from specserve.bench.report import table
-from specserve.bench.run import BenchConfig, run_bench
+from specserve.bench.run import BenchConfig, run_bench, tree_config
 from specserve.cli import main
 from tiny_models import make_head, make_hf_model
 
@@ -98,6 +98,11 @@ def test_bench_runs_draft_trees_beside_the_chain(dirs):
     assert "| tree 2x2x4 |" in table(res)
     with pytest.raises(ValueError, match="--tree"):
         BenchConfig(trees=["2x4"])
+    with pytest.raises(ValueError, match="--tree"):
+        BenchConfig(trees=["2x2x4:all"])
+    assert tree_config("4x6x24") == dict(topk=4, max_draft_len=6, max_total_draft_tokens=24)
+    assert tree_config("4x6x24:64") == dict(topk=4, max_draft_len=6, max_total_draft_tokens=24,
+                                            tree_max_batch_size=64)
 
 
 def test_bench_shared_prefix_with_prefix_caching_on_and_off(dirs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -146,13 +147,17 @@ def test_the_schedule_follows_tensorrt_llm():
 def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
     gate = AcceptanceGate(window=3, threshold=0.5)
     p = DraftLenPolicy(3, gate=gate)
+    def step(drafted, accepted):  # a collected step of two rows: the gate sums them
+        p.observe([SimpleNamespace(num_drafts=drafted - drafted // 2, num_accepted=accepted - accepted // 2),
+                   SimpleNamespace(num_drafts=drafted // 2, num_accepted=accepted // 2)])
+
     for drafted, accepted in ((3, 3), (3, 0), (0, 0), (3, 2)):  # 5 of 9 over the window: open
-        p.observe(drafted, accepted)
+        step(drafted, accepted)
     assert not gate.closed and p.choose([_Req([], [])]) == 3
-    p.observe(3, 0)  # (3, 0), (3, 2), (3, 0): 2 of 9
+    step(3, 0)  # (3, 0), (3, 2), (3, 0): 2 of 9
     assert gate.closed and p.choose([_Req([], [])]) == 0
     for _ in range(5):
-        p.observe(3, 3)  # a closed gate draws nothing, so nothing reopens it
+        step(3, 3)  # a closed gate draws nothing, so nothing reopens it
     assert p.choose([_Req([], [])]) == 0
 
 
@@ -421,6 +426,10 @@ def test_cli_flags_reach_the_speculative_config(dirs):
     spec = SpeculativeConfig.from_value(engine_args(a).speculative_config)
     assert (spec.draft_len_schedule, spec.acceptance_rate_window_size, spec.acceptance_rate_threshold,
             spec.adaptive_draft_len, spec.step_cost_file) == ({4: 4, 8: 2, 32: 1}, 16, 0.3, True, "c.json")
+    a = build_parser().parse_args(["generate", "x", "--model", str(dirs / "target"), "--draft", str(dirs / "eagle3"),
+                                   "--topk", "2", "--tree-max-batch-size", "16"])
+    spec = SpeculativeConfig.from_value(engine_args(a).speculative_config)
+    assert (spec.topk, spec.tree_max_batch_size, spec.measures_tree_costs) == (2, 16, False)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "x", "--draft-len-schedule", "4-4"])
     with pytest.raises(ValueError, match="--adaptive-draft-len set but speculation is off"):

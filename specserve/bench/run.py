@@ -48,7 +48,8 @@ class BenchConfig:
     method: str = "eagle3"
     draft: str | None = None  # head folder, "random", or None: the shipped head for the default model
     draft_len: int = 4
-    # draft trees to run besides the chain, each "KxDxN" (topk, depth, max_total_draft_tokens)
+    # draft trees to run besides the chain, each "KxDxN" (topk, depth, max_total_draft_tokens), ":B" after it:
+    # tree_max_batch_size B (without: each step drafts the tree or a chain by measured cost, on CUDA graphs)
     trees: list[str] = field(default_factory=list)
     fixed_draft_lens: list[int] = field(default_factory=list)  # chains of these D besides draft_len's
     adaptive: bool = False  # also an engine choosing each step's D in 0..draft_len (adaptive_draft_len)
@@ -77,7 +78,7 @@ class BenchConfig:
         if self.turns < 1 or self.turn_len < 1:
             raise ValueError(f"--turns and --turn-len must be >= 1, got {self.turns} and {self.turn_len}")
         for t in self.trees:
-            tree_shape(t)
+            tree_config(t)
         if any(not 1 <= d <= 16 for d in self.fixed_draft_lens):
             raise ValueError(f"--fixed-draft-lens takes draft lengths in [1, 16], got {self.fixed_draft_lens}")
         bad = [c for c in self.compare if c not in ("hf", "hf-compile")]
@@ -97,8 +98,21 @@ def tree_shape(text: str) -> tuple[int, int, int]:
     try:
         k, d, n = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--tree takes TOPKxDEPTHxTOTAL (e.g. 4x5x24), got {text!r}") from None
+        raise ValueError(f"--tree takes TOPKxDEPTHxTOTAL[:ROWS] (e.g. 4x5x24), got {text!r}") from None
     return k, d, n
+
+
+def tree_config(text: str) -> dict:
+    """"KxDxN" (each step drafts the tree or a chain by measured cost) or "KxDxN:B" (``tree_max_batch_size`` B:
+    steps of up to B rows draft the tree, more a chain) -> its speculative_config fields."""
+    shape, _, rows = text.partition(":")
+    k, d, n = tree_shape(shape)
+    out = dict(topk=k, max_draft_len=d, max_total_draft_tokens=n)
+    if rows:
+        if not rows.isdigit():
+            raise ValueError(f"--tree takes TOPKxDEPTHxTOTAL[:ROWS] (e.g. 4x5x24:64), got {text!r}")
+        out["tree_max_batch_size"] = int(rows)
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -186,8 +200,8 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             depth = int(tree[2:])
             sc.update(max_draft_len=depth)
         elif tree is not None:
-            k, depth, n = tree_shape(tree)
-            sc.update(topk=k, max_draft_len=depth, max_total_draft_tokens=n)
+            sc.update(tree_config(tree))
+            depth = sc["max_draft_len"]
     kind = tree if tree == "adaptive" else ("chain " + tree) if tree and tree.startswith("D=") else \
         ("tree " + tree) if tree else spec
     # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was

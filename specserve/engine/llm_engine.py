@@ -124,8 +124,9 @@ class LLMEngine:
         if self.draft_policy is not None:
             self.draft_policy.prior = lambda: self.spec_stats
             self.draft_policy.timed = not self.tp.active  # ranks' clocks differ; their choices must not
-            if self.spec_config.adaptive_draft_len:  # rank 0's measurement: every rank chooses alike
-                self.draft_policy.costs = broadcast_object(self.tp, load_or_measure_costs(self))
+            options = speculator.cost_options(self.runner.graphs is not None)
+            if options:  # rank 0's measurement: every rank chooses alike
+                self.draft_policy.costs = broadcast_object(self.tp, load_or_measure_costs(self, options))
         self.num_steps = 0  # model steps run (benchmarks)
         self.num_generated_tokens = 0  # tokens appended to requests, reported or not (the server's throughput log)
         self.requests: dict[str, Request] = {}
@@ -384,7 +385,7 @@ class LLMEngine:
         if self.draft_policy is not None and done:
             if proposed is not None:  # a step that sampled for some request still running or ended by it
                 self.spec_stats.record_step(proposed)
-            self.draft_policy.observe(sum(x.num_drafts for x in done), sum(x.num_accepted for x in done))  # the gate
+            self.draft_policy.observe(done)  # the gate's counts; a tree's acceptance by kind of step
         return done
 
     def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,

@@ -55,7 +55,10 @@ class SpeculativeConfig:
         ``max_draft_len`` capped at 63 (a chain: ``max_draft_len``).
       tree_max_batch_size: a step of more rows than this drafts a chain of ``max_draft_len`` (its next verify
         step then costs 1 + D tokens a row instead of 1 + N): a tree's wider verify step pays only where the
-        step's cost hardly grows with its rows. None: ``TREE_MAX_BATCH``.
+        step's cost hardly grows with its rows. None (the default): where the engine runs CUDA graphs, each step
+        drafts the tree or the chain of more expected tokens per second, from both steps' costs measured at
+        engine start (kept in ``step_cost_file`` where given) and the acceptance each is getting
+        (``speculative/tree_choice.py``); elsewhere steps of more than ``TREE_MAX_BATCH`` rows draft chains.
 
       draft_len_schedule: TensorRT-LLM's batch-size schedule of the draft length, {batch size: D}: a step of B
         rows drafts the D of the smallest key >= B, and nothing (no speculation) past the largest key. Chains
@@ -66,8 +69,9 @@ class SpeculativeConfig:
       adaptive_draft_len: each step drafts the D in 0..max_draft_len (at most the schedule's) of most expected
         tokens per second: the measured seconds of a step of its rows and that D, against the acceptance its
         requests are getting (``speculative/draft_len.py``). Chains only.
-      step_cost_file: a JSON file that keeps the measured step costs between runs (per model, head, dtype,
-        device and D); the first run with it measures (a few seconds at engine start) and writes them.
+      step_cost_file: a JSON file that keeps the measured step costs (``adaptive_draft_len``'s, or a tree's and
+        its chain's) between runs (per model, head, dtype, device, D or tree); the first run with it measures (a few
+        seconds at engine start) and writes them.
     Outputs never depend on the draft length: every token is the target's.
     """
 
@@ -139,11 +143,9 @@ class SpeculativeConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not d <= n <= MAX_TREE_NODES:
             raise ValueError(f"max_total_draft_tokens must be an integer in [max_draft_len={d}, {MAX_TREE_NODES}], "
                              f"got {n!r}")
-        if self.tree_max_batch_size is None:
-            self.tree_max_batch_size = TREE_MAX_BATCH
         b = self.tree_max_batch_size
-        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
-            raise ValueError(f"tree_max_batch_size must be an integer >= 0, got {b!r}")
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise ValueError(f"tree_max_batch_size must be an integer >= 0 or None (chosen by cost), got {b!r}")
         if k == 1 and n != d:
             raise ValueError(f"a chain (topk=1) verifies max_draft_len={d} drafts; max_total_draft_tokens={n} needs "
                              "topk > 1")
@@ -184,11 +186,18 @@ class SpeculativeConfig:
             raise ValueError(f"acceptance_rate_window_size must be an integer >= 1, got {w!r}")
         if t is not None and not 0.0 <= float(t) <= 1.0:
             raise ValueError(f"acceptance_rate_threshold must be in [0, 1], got {t!r}")
-        if self.step_cost_file is not None and not self.adaptive_draft_len:
-            raise ValueError("step_cost_file keeps adaptive_draft_len's costs; set adaptive_draft_len=True")
+        if self.step_cost_file is not None and not (self.adaptive_draft_len or self.measures_tree_costs):
+            raise ValueError("step_cost_file keeps the costs of adaptive_draft_len or of a tree chosen by cost "
+                             "(tree_max_batch_size=None); set adaptive_draft_len=True or draft a tree")
         if self.tree and (sched is not None or self.adaptive_draft_len or w is not None):
             raise ValueError("draft_len_schedule, the speculation gate and adaptive_draft_len apply to chains "
-                             "(topk=1); a tree's steps choose between the tree and a chain by tree_max_batch_size")
+                             "(topk=1); a tree's steps choose between the tree and a chain by measured cost, or by "
+                             "tree_max_batch_size")
+
+    @property
+    def measures_tree_costs(self) -> bool:
+        """Whether a tree's steps choose between the tree and a chain by measured cost (on CUDA graphs)."""
+        return self.tree and self.tree_max_batch_size is None
 
     @property
     def varies_draft_len(self) -> bool:

@@ -193,12 +193,30 @@ class _TokensMemo:
 
 @dataclass
 class _Launch:
-    """A step the policy chose D for (``DraftLenPolicy._launched``)."""
+    """A step a policy chose for (``StepPeriods``)."""
 
     rows: int
-    draft_len: int
+    option: int  # the column of ``StepCosts`` it ran (a chain's D; ``TreeChoice``: chain 0, tree 1)
     generation: bool
     time: float  # perf_counter seconds at the choice
+
+
+class StepPeriods:
+    """Observed step periods (from one choice to the next) as the cost of the last step's (rows, option) where
+    that is unambiguous: the last two steps were generation steps of the same rows and option. (Under the overlap
+    scheduler the period from one launch to the next mostly waits for the step before to finish, so a period is
+    the cost of a step where both agree; a step that changes option, a probe included, is not recorded.)"""
+
+    def __init__(self) -> None:
+        self._launched: deque[_Launch] = deque(maxlen=2)  # the last two steps chosen for
+
+    def launch(self, live: StepCosts | None, rows: int, option: int, generation: bool, now: float) -> None:
+        """A step chosen at ``now``: first the period since the last choice moves ``live`` (None: not timed)."""
+        if live is not None and len(self._launched) == 2:
+            a, b = self._launched
+            if a.generation and b.generation and (a.rows, a.option) == (b.rows, b.option):
+                live.observe(b.rows, b.option, now - b.time)
+        self._launched.append(_Launch(rows, option, generation, now))
 
 
 class AcceptanceGate:
@@ -241,7 +259,7 @@ class DraftLenPolicy:
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
         self.timed = True
-        self._launched: deque[_Launch] = deque(maxlen=2)  # the last two steps chosen for
+        self.periods = StepPeriods()
         empty = SpecStats()
         self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
 
@@ -282,7 +300,6 @@ class DraftLenPolicy:
         """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
         verifies and samples (no prompt tokens)."""
         now = time.perf_counter()
-        self._observe_period(now)
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
             tokens = self._expected_tokens([r.spec_stats for r in requests])
@@ -301,7 +318,7 @@ class DraftLenPolicy:
                 d = self.last = best
         else:
             self.last = d
-        self._launched.append(_Launch(len(requests), d, generation, now))
+        self.periods.launch(self.live if self.timed else None, len(requests), d, generation, now)
         return d
 
     def _expected_tokens(self, stats: list[SpecStats]) -> np.ndarray:
@@ -317,41 +334,33 @@ class DraftLenPolicy:
         self._tokens_memo = _TokensMemo(stats, counts, tokens)
         return tokens
 
-    def _observe_period(self, now: float) -> None:
-        """The period since the last choice, as the cost of the last step's (rows, D) where it is unambiguous: the
-        last two steps were generation steps of the same rows and D. (Under the overlap scheduler the period from
-        one launch to the next mostly waits for the step before to finish, so a period is the cost of a step where
-        both agree; a step that changes D, a probe included, is not recorded.)"""
-        if not (self.timed and self.live is not None and len(self._launched) == 2):
-            return
-        a, b = self._launched
-        if a.generation and b.generation and (a.rows, a.draft_len) == (b.rows, b.draft_len):
-            self.live.observe(b.rows, b.draft_len, now - b.time)
-
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, rows: list) -> None:
+        """A collected step's rows (each with ``num_drafts`` verified and ``num_accepted``): the gate's counts."""
         if self.gate is not None:
-            self.gate.observe(drafted, accepted)
+            self.gate.observe(sum(r.num_drafts for r in rows), sum(r.num_accepted for r in rows))
 
 
-def measure_step_costs(runner, pool, max_draft_len: int, buckets: list[int], context: int = 256,
+def measure_step_costs(runner, pool, options: dict[int, list[int] | None], buckets: list[int], context: int = 256,
                        repeats: int = 5) -> StepCosts:
-    """Seconds of a speculative step of each (rows in ``buckets``, D = 0..max_draft_len), as the engine runs it
-    (staging, launch, device, copy back; graphs replayed where the engine would replay them; under the overlap
-    scheduler each step launched before the one before it is collected, so a step costs the larger of the host's
-    and the device's time, as it does there): synthetic requests of ``context`` tokens whose KV blocks come from
-    ``pool`` and go back, each step verifying D drafts and drafting D, the median of ``repeats`` after a warm-up
-    (which compiles kernels and captures graphs). The values computed are never read: only the time counts."""
+    """Seconds of a speculative step of each (rows in ``buckets``, option), as the engine runs it (staging, launch,
+    device, copy back; graphs replayed where the engine would replay them; under the overlap scheduler each step
+    launched before the one before it is collected, so a step costs the larger of the host's and the device's
+    time, as it does there). ``options`` (``SpeculatorBase.cost_options``), in the order of the costs' columns:
+    the drafts a step proposes a row (a chain's D, a tree's N), each with the parents of the drafts it verifies
+    (None: a chain's). Synthetic requests of ``context`` tokens whose KV blocks come from ``pool`` and go back,
+    each step verifying as many drafts as it proposes, the median of ``repeats`` after a warm-up (which compiles
+    kernels and captures graphs). The values computed are never read: only the time counts."""
     from specserve.core.request import Request
     from specserve.sampling_params import SamplingParams
     from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
-    rows = max(buckets)
+    rows, most = max(buckets), max(options)
     sp = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
     reqs = []
     try:
         for i in range(rows):
-            r = Request(f"cost-{i}", None, [1] * context, sp, context + max_draft_len + 2 + (1 << 20), ())
-            slots = context + 2 * max_draft_len + 1
+            r = Request(f"cost-{i}", None, [1] * context, sp, context + most + 2 + (1 << 20), ())
+            slots = context + 2 * most + 1
             if not pool.can_reserve(r.block_ids, slots):
                 break
             pool.reserve(r.block_ids, slots)
@@ -363,9 +372,9 @@ def measure_step_costs(runner, pool, max_draft_len: int, buckets: list[int], con
         seconds = []
         for b in usable:
             per_d = []
-            for d in range(max_draft_len + 1):
+            for d, parents in options.items():
                 for r in reqs[:b]:
-                    r.spec_token_ids = [1] * d
+                    r.spec_token_ids, r.spec_parents = [1] * d, parents
                 times, pending = [], None
                 for rep in range(repeats + 2):
                     sched = [ScheduledRequest(r, context - 1, 1 + d, True, d, column=j) for j, r in enumerate(reqs[:b])]
@@ -385,7 +394,7 @@ def measure_step_costs(runner, pool, max_draft_len: int, buckets: list[int], con
     finally:
         for r in reqs:
             pool.free(r.block_ids)
-            r.spec_token_ids = []
+            r.spec_token_ids, r.spec_parents = [], None
 
 
 def cost_buckets(max_rows: int) -> list[int]:
@@ -398,24 +407,26 @@ def cost_buckets(max_rows: int) -> list[int]:
     return out + [max_rows]
 
 
-def load_or_measure_costs(engine) -> StepCosts:
-    """The engine's step costs for ``adaptive_draft_len``: from its ``step_cost_file`` where that holds this
-    model, head, dtype, device and D, else measured now (and written there)."""
+def load_or_measure_costs(engine, options: dict[int, list[int] | None]) -> StepCosts:
+    """The engine's step costs for its speculator's ``options`` (``cost_options``: ``adaptive_draft_len``'s draft
+    lengths, or a tree and its chain): from its ``step_cost_file`` where that holds this model, head, dtype,
+    device and those options, else measured now (and written there)."""
     spec = engine.spec_config
     dev = engine.device
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    shape = f"D={spec.max_draft_len}" if not spec.tree else f"tree={spec.topk}x{spec.max_draft_len}x{spec.num_nodes}"
     key = "|".join(map(str, (engine.model_path, spec.draft_model, spec.method, engine.dtype, device_name,
-                             f"D={spec.max_draft_len}", f"rows={engine.config.scheduler_config.max_num_seqs}",
+                             shape, f"rows={engine.config.scheduler_config.max_num_seqs}",
                              f"graphs={engine.runner.graphs is not None}")))
     if spec.step_cost_file is not None:
         costs = StepCosts.load(spec.step_cost_file, key)
         if costs is not None:
             return costs
     buckets = cost_buckets(engine.config.scheduler_config.max_num_seqs)
-    log.info("adaptive draft length: measuring step costs for %d batch sizes x %d draft lengths", len(buckets),
-             spec.max_draft_len + 1)
+    log.info("measuring speculative step costs for %d batch sizes x %d kinds of step (drafts %s)", len(buckets),
+             len(options), list(options))
     t0 = time.perf_counter()
-    costs = measure_step_costs(engine.runner, engine.pool, spec.max_draft_len, buckets)
+    costs = measure_step_costs(engine.runner, engine.pool, options, buckets)
     log.info("step costs measured in %.1f s", time.perf_counter() - t0)
     if spec.step_cost_file is not None:
         costs.save(spec.step_cost_file, key)

@@ -133,14 +133,21 @@ class SpeculatorBase:
 
     tree = False  # drafts a chain
 
-    def __init__(self, spec: SpeculativeConfig, thinking_tokens: tuple[int, int]) -> None:
+    def __init__(self, spec: SpeculativeConfig, thinking_tokens: tuple[int, int], policy=None) -> None:
         self.spec = spec
         self.draft_len = spec.max_draft_len  # D: a chain's drafts, a tree's depth
         self.num_nodes = spec.num_nodes  # drafts a row verifies at most (a chain's D, a tree's N)
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
-        # the drafts each step proposes (a chain's may vary by step; the engine sets the costs and the prior)
-        self.policy = DraftLenPolicy.from_config(spec)
+        # the drafts each step proposes (a chain's D may vary by step, a tree's steps may draft chains; the engine
+        # sets the costs and the prior): ``DraftLenPolicy`` or the tree's ``TreeChoice``
+        self.policy = policy if policy is not None else DraftLenPolicy.from_config(spec)
+
+    @staticmethod
+    def generation_step(sched) -> bool:
+        """Whether every row of a step verifies and samples (no prompt tokens): its period is a step's cost."""
+        return all(s.sample and s.num_tokens == 1 + s.num_drafts and s.start >= s.request.num_prompt_tokens
+                   for s in sched)
 
     @property
     def verify_len(self) -> int:
@@ -191,11 +198,14 @@ class Speculator(SpeculatorBase):
         """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
         ``draft_len`` where given: step-cost measurements)."""
         if draft_len is None:
-            generation = all(s.sample and s.num_tokens == 1 + s.num_drafts and s.start >= s.request.num_prompt_tokens
-                             for s in sched)
-            draft_len = self.policy.choose([s.request for s in sched], generation)
+            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched))
         self.step_draft_len = draft_len
         return draft_len
+
+    def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
+        """The steps whose costs the engine measures at start (``draft_len.load_or_measure_costs``): with
+        ``adaptive_draft_len`` each D in 0..max_draft_len (chains: no parents); None: none."""
+        return {d: None for d in range(self.draft_len + 1)} if self.spec.adaptive_draft_len else None
 
     def verify_q(self, max_drafts: int) -> int:
         """Tokens a row of a generation step's graph layout takes, for rows of at most ``max_drafts`` drafts: 1 + D,

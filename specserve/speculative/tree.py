@@ -43,6 +43,7 @@ from specserve.kernels.tree_draft import tree_draft_inputs
 from specserve.kernels.tree_expand import Frontier, expand_depth, select_tree
 from specserve.kernels.tree_layout import tree_attention_layout
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
+from specserve.speculative.tree_choice import TreeChoice
 
 
 @dataclass
@@ -84,7 +85,7 @@ class TreeSpeculator(SpeculatorBase):
                  spec: SpeculativeConfig, block_size: int, thinking_tokens: tuple[int, int] = (-1, -1)) -> None:
         if not head.tree_drafts:
             raise ValueError("tree drafting (topk > 1) needs an EAGLE-3 or MTP-Eagle head, not vanilla MTP")
-        super().__init__(spec, thinking_tokens)
+        super().__init__(spec, thinking_tokens, TreeChoice(spec))
         self.head, self.head_kv, self.target_kv = head, head_kv, target_kv
         self.block_size = block_size
         self.topk = spec.topk
@@ -101,12 +102,18 @@ class TreeSpeculator(SpeculatorBase):
         return 2 + self.draft_len + 2 * self.num_nodes
 
     def plan_step(self, sched, draft_len: int | None = None) -> int:
-        """A step of more than ``tree_max_batch_size`` rows drafts a chain (a tree of one child a node, whose next
-        verify step takes 1 + D tokens a row) -> the drafts it proposes a row at most (``draft_len``: D for a
-        chain, N for a tree, where a caller chooses)."""
-        tree = len(sched) <= self.spec.tree_max_batch_size if draft_len is None else draft_len > self.draft_len
-        self.step_topk = self.topk if tree else 1
+        """Whether a step drafts the tree or a chain (a tree of one child a node, whose next verify step takes
+        1 + D tokens a row): ``TreeChoice``'s choice, or ``draft_len`` where a caller chooses (N: the tree, D: a
+        chain) -> the drafts it proposes a row at most."""
+        if draft_len is None:
+            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched))
+        self.step_topk = self.topk if draft_len > self.draft_len else 1
         return self.num_nodes if self.step_topk > 1 else self.draft_len
+
+    def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
+        """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a chain step and a tree step
+        (``TreeChoice.options``), whose measured costs the choice weighs."""
+        return self.policy.options() if graphs and self.spec.measures_tree_costs else None
 
     def step_switches(self, switches: StepSwitches) -> StepSwitches:
         """A record's switches with this step's drafting (tree or chain)."""

@@ -1,0 +1,122 @@
+"""Tree or chain, chosen each step: ``TreeChoice``, the draft policy of a ``TreeSpeculator``.
+
+A tree verifies 1 + N tokens a row where a chain verifies 1 + D, and drafts ``topk`` nodes a depth where a chain
+drafts one. Where a step's cost hardly grows with its tokens (few rows on a GPU) the tree's longer accepted paths
+pay; where it grows (many rows) they may not. With ``tree_max_batch_size`` set, steps of more rows than that draft
+chains. Without it (the default, on CUDA graphs), each step drafts whichever promises more tokens per second:
+
+* seconds: a step of the batch's rows, tree and chain, measured at engine start (``draft_len.measure_step_costs``
+  over both kinds of step, or loaded from ``step_cost_file``), then moved towards the periods the engine really
+  observes (``StepCosts.observe``, as ``adaptive_draft_len`` does);
+* tokens: 1 + the sum over depths of how often an accepted path reached that depth, counted apart for the
+  engine's tree steps and its chain steps (a row's own counts are not used: a row's tree and chain steps
+  interleave, and one engine-wide figure per kind is what the two costs are weighed against). Counts start from
+  an optimistic prior (``draft_len.engine_rates``: every depth accepted, weighted as ``PRIOR_STEPS`` steps), so
+  each kind is tried early and kept only while its counts bear it out.
+
+A kind left unchosen for ``PROBE_AFTER`` steps in a row is drafted once, so that its counts follow the prompts
+the engine is serving now; each probe that changed nothing doubles the wait, up to ``PROBE_MAX``.
+
+Outputs never depend on the choice: the target decides every token, whatever a step verifies.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specserve.core.metrics import SpecStats
+from specserve.speculative.config import TREE_MAX_BATCH, SpeculativeConfig
+from specserve.speculative.draft_len import (PROBE_AFTER, PROBE_MAX, StepCosts, StepPeriods, best_draft_len,
+                                             engine_rates)
+
+CHAIN, TREE = 0, 1  # the columns of the step costs
+
+
+def measurement_tree(topk: int, depth: int, nodes: int) -> list[int]:
+    """Parents (columns, 0 the root) of a tree of ``nodes`` nodes shaped as the expansion shapes one: ``topk``
+    children of the root, then at each next depth ``topk`` children of each of the ``topk`` first nodes of the
+    depth before, sorted by depth, at most ``depth`` deep (the step costs' verified tree)."""
+    parents: list[int] = []
+    level = [0]  # the depth before's columns
+    for _ in range(depth):
+        nxt = []
+        for p in level[:topk]:
+            for _ in range(topk if len(parents) < nodes else 0):
+                parents.append(p)
+                nxt.append(len(parents))
+        level = nxt
+    return parents[:nodes]
+
+
+class TreeChoice:
+    """Tree (N drafts a row) or chain (D) for each step (module docstring). The interface of
+    ``DraftLenPolicy`` that the engine and the speculator use: ``choose``, ``observe``, ``costs``, ``prior``,
+    ``timed``."""
+
+    varies = False  # a chain step through the tree's code always drafts D
+
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        self.spec = spec  # read at each step: ``tree_max_batch_size`` may be set after construction
+        self.draft_len, self.num_nodes = spec.max_draft_len, spec.num_nodes
+        self.costs = None  # set by the engine where it measures them (``measures_tree_costs``)
+        self.counts = (SpecStats(), SpecStats())  # the engine's chain steps' and tree steps' acceptance by depth
+        self.last: int | None = None  # the kind chosen for the step before (not a probe)
+        self.run = 0  # steps in a row of that kind
+        self.probe_after = PROBE_AFTER
+        self.timed = True  # observe step periods (off under tensor parallelism: ranks must choose alike)
+        self.periods = StepPeriods()
+        self.prior = lambda: None  # the engine's counts, unused: each kind keeps its own
+
+    @property
+    def costs(self) -> StepCosts | None:
+        """Seconds of a step by rows, [chain, tree]; ``live`` holds their estimates as steps are observed."""
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: StepCosts | None) -> None:
+        if costs is not None and costs.max_draft_len != TREE:
+            raise ValueError("a tree's step costs hold two kinds of step: [chain, tree]")
+        self._costs = costs
+        self.live = None if costs is None else costs.copy()
+
+    def options(self) -> dict[int, list[int] | None]:
+        """The steps whose costs are measured, in the costs' column order: drafts a row -> the parents of the
+        drafts it verifies."""
+        return {self.draft_len: list(range(self.draft_len)),
+                self.num_nodes: measurement_tree(self.spec.topk, self.draft_len, self.num_nodes)}
+
+    def expected_tokens(self) -> np.ndarray:
+        """Tokens a row emits per step, [chain, tree]: 1 + how often an accepted path reaches each depth."""
+        out = []
+        for counts in self.counts:
+            rate = np.minimum.accumulate(engine_rates(counts, self.draft_len))  # [D]
+            out.append(1.0 + rate.sum())
+        return np.array(out)
+
+    def choose(self, requests: list, generation: bool = False) -> int:
+        """The drafts a step of these rows proposes a row: N (a tree) or D (a chain)."""
+        now, rows = time.perf_counter(), len(requests)
+        if self.live is None:  # the fixed rule
+            cap = self.spec.tree_max_batch_size
+            kind = TREE if rows <= (TREE_MAX_BATCH if cap is None else cap) else CHAIN
+        else:
+            best = best_draft_len(self.expected_tokens(), self.live.row(rows), TREE, self.last)
+            self.run = self.run + 1 if best == self.last else 1
+            if best != self.last:
+                self.probe_after = PROBE_AFTER
+            kind = self.last = best
+            if self.run >= self.probe_after:  # a probe of the other kind, this step only
+                self.run, kind = 0, 1 - best
+                self.probe_after = min(2 * self.probe_after, PROBE_MAX)
+        self.periods.launch(self.live if self.timed else None, rows, kind, generation, now)
+        return self.num_nodes if kind == TREE else self.draft_len
+
+    def observe(self, rows: list) -> None:
+        """A collected step's rows (``num_drafts`` verified, ``num_accepted``, ``depth`` of what they verified):
+        a row that verified more drafts than its depth verified a tree, the others a chain."""
+        for r in rows:
+            if r.num_drafts > 0:
+                tree = r.depth is not None and r.num_drafts > r.depth
+                self.counts[TREE if tree else CHAIN].record(r.num_drafts, r.num_accepted, 0, r.depth)

@@ -1,0 +1,172 @@
+"""Tree or chain by measured cost (``speculative/tree_choice.py``): the choice on synthetic costs and acceptance,
+its optimistic start and probes, the measured tree's shape, the costs measured through the engine's own steps,
+and greedy output equal to plain decoding while steps switch between the tree and the chain at random."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from specserve import LLM, SamplingParams, SpeculativeConfig
+from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepCosts, load_or_measure_costs
+from specserve.speculative.tree import tree_layout
+from specserve.speculative.tree_choice import TreeChoice, measurement_tree
+from tiny_models import PROMPTS, make_head, make_hf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+D, N = 4, 12
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_choice")
+    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=4)
+    make_head(root / "eagle3", root / "target", "eagle3", draft_vocab=150, seed=1)
+    return root
+
+
+def _choice(**kw) -> TreeChoice:
+    return TreeChoice(SpeculativeConfig(draft_model="random", max_draft_len=D, topk=3, max_total_draft_tokens=N,
+                                        **kw))
+
+
+def _steps(choice: TreeChoice, tree: bool, accepted: int, n: int = 1, rows: int = 1) -> None:
+    """``n`` collected steps of ``rows`` rows that verified the tree (N nodes, depth D) or a chain, each
+    accepting ``accepted`` drafts."""
+    for _ in range(n):
+        choice.observe([SimpleNamespace(num_drafts=N if tree else D, num_accepted=accepted, depth=D)] * rows)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 6), (2, 4, 7), (3, 5, 7), (4, 6, 24), (8, 8, 48), (3, 2, 12), (8, 2, 63)])
+def test_the_measured_tree_is_one_the_expansion_could_draft(shape):
+    k, d, n = shape
+    parents = measurement_tree(k, d, n)
+    depth, _ = tree_layout(parents)
+    assert len(parents) == n and all(p < c for c, p in enumerate(parents, start=1))
+    assert max(depth) <= d and depth[1:] == sorted(depth[1:])  # sorted by depth, as the selection leaves them
+    assert max(parents.count(p) for p in set(parents)) <= k
+    for level in range(1, max(depth)):  # only the first k nodes of a depth have children
+        cols = [c for c in range(1, n + 1) if depth[c] == level]
+        assert {p for p in parents if p in cols} <= set(cols[:k])
+
+
+def test_the_choice_weighs_acceptance_against_measured_costs():
+    """The H100's figures: at batch 1 a 4x6x24 tree step cost 2.4x a chain step's and accepted 4.1 tokens to the
+    chain's 2.5 (a tree of lower cost pays, that one does not); at 32 rows it cost 1.9x for 2.8 tokens (chain)."""
+    c = _choice()
+    c.costs = StepCosts([1, 32], [[0.69e-3, 1.0e-3], [1.69e-3, 3.26e-3]])
+    _steps(c, False, 2, 200)  # the chain: ~2.5 tokens
+    _steps(c, True, 3, 100)
+    _steps(c, True, 4, 100)  # the tree: 4.5 tokens
+    tok = c.expected_tokens()
+    assert tok[0] == pytest.approx(3.0, abs=0.05) and tok[1] == pytest.approx(4.5, abs=0.05)
+    assert c.choose([None]) == N  # 4.5 / 1.0 beats 3.0 / 0.69
+    assert c.choose([None] * 32) == D  # 4.5 / 3.26 loses to 3.0 / 1.69
+    c.costs = StepCosts([1], [[0.69e-3, 1.2e-3]])  # a dearer tree: 4.5 / 1.2 loses at batch 1 too
+    assert c.choose([None]) == D
+    with pytest.raises(ValueError, match="two kinds"):
+        c.costs = StepCosts([1], [[1.0, 1.0, 1.0]])
+
+
+def test_each_kind_is_tried_early_and_kept_only_while_its_counts_bear_it_out():
+    """Both kinds start optimistic (every depth accepted): the cheaper chain goes first; once its counts show
+    little acceptance the tree (still at its prior) is tried, and dropped again when its own counts show no more;
+    a tree that accepts well is kept."""
+    c = _choice()
+    c.costs = StepCosts([4], [[1.0, 1.5]])
+    rows = [None] * 4
+    assert c.choose(rows) == D
+    _steps(c, False, 0, 8, rows=4)  # the chain accepts nothing
+    assert c.choose(rows) == N  # 5 / 1.5 over ~1.5 / 1.0
+    _steps(c, True, 0, 20, rows=4)
+    assert c.choose(rows) == D
+    good = _choice()
+    good.costs = StepCosts([4], [[1.0, 1.5]])
+    _steps(good, False, 1, 50, rows=4)
+    _steps(good, True, 4, 50, rows=4)
+    assert {good.choose(rows) for _ in range(10)} == {N}
+
+
+def test_the_unchosen_kind_is_probed_with_a_doubling_wait():
+    c = _choice()
+    c.costs = StepCosts([1], [[1.0, 1.5]])
+    _steps(c, False, 0, 100)
+    _steps(c, True, 4, 100)
+    chosen = [c.choose([None]) for _ in range(8 * PROBE_AFTER)]
+    probes = [i for i, x in enumerate(chosen) if x == D]
+    assert probes == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1, 7 * PROBE_AFTER - 1]
+    assert c.probe_after == 8 * PROBE_AFTER
+    _steps(c, True, 0, 2000)  # the tree stops paying: the choice moves and the wait starts over
+    assert c.choose([None]) == D and c.probe_after == PROBE_AFTER
+    for _ in range(20):
+        c.run = c.probe_after
+        c.choose([None])
+    assert c.probe_after == PROBE_MAX
+
+
+def test_without_costs_the_fixed_rule_holds_and_the_options_are_a_chain_and_the_tree():
+    c = _choice()  # tree_max_batch_size None: costs measured where the engine has graphs, TREE_MAX_BATCH elsewhere
+    assert [c.choose([None] * b) for b in (1, 8, 9)] == [N, N, D]
+    fixed = _choice(tree_max_batch_size=2)
+    assert [fixed.choose([None] * b) for b in (2, 3)] == [N, D]
+    opts = c.options()
+    assert list(opts) == [D, N] and opts[D] == [0, 1, 2, 3] and opts[N] == measurement_tree(3, D, N)
+    with pytest.raises(ValueError, match="step_cost_file"):
+        SpeculativeConfig(draft_model="random", topk=2, tree_max_batch_size=8, step_cost_file="x.json")
+    SpeculativeConfig(draft_model="random", topk=2, step_cost_file="x.json")
+
+
+def _tree_llm(dirs, **kw) -> LLM:
+    spec = dict(method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=3, topk=3, max_total_draft_tokens=8)
+    return LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=spec, **kw)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["packed", "graph-layouts"])
+def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, overlap, graphs):
+    plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
+    reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    llm = _tree_llm(dirs, overlap_scheduler=overlap)
+    runner = llm.engine.runner
+    if graphs:
+        from specserve.runner.cuda_graph import CudaGraphs
+
+        runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    policy, rng, chosen = llm.engine.draft_policy, random.Random(7), []
+    choose = policy.choose
+
+    def random_kind(requests, generation=False):
+        choose(requests, generation)  # the policy's own bookkeeping runs too
+        chosen.append(rng.choice([3, 8]))
+        return chosen[-1]
+
+    policy.choose = random_kind
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert {3, 8} <= set(chosen)
+    chain, tree = policy.counts
+    assert chain.num_verify_steps > 0 and tree.num_verify_steps > 0  # observed by kind of step
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs, tmp_path):
+    """The costs a graph engine measures at start, here through the CPU's packed steps: two kinds of step per
+    bucket, the blocks they took back in the pool, saved to and reloaded from the cost file, and the engine's
+    output still plain greedy's with the choice weighing them."""
+    plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
+    reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    f = tmp_path / "costs.json"
+    llm = _tree_llm(dirs, max_num_seqs=4)
+    eng = llm.engine
+    assert eng.draft_policy.costs is None  # no graphs on the CPU: the fixed rule
+    spec = eng.runner.speculator
+    assert spec.cost_options(False) is None and list(spec.cost_options(True)) == [3, 8]
+    eng.spec_config.step_cost_file = str(f)
+    costs = load_or_measure_costs(eng, spec.cost_options(True))
+    assert costs.buckets == [1, 2, 4] and costs.max_draft_len == 1 and f.is_file()
+    assert eng.pool.num_free == eng.pool.num_usable
+    assert load_or_measure_costs(eng, spec.cost_options(True)) == costs  # read back, not measured again
+    eng.draft_policy.costs = costs
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert sum(eng.spec_stats.steps_by_draft_len) > 0
