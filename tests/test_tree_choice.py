@@ -151,9 +151,9 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
 
 
 def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs, tmp_path):
-    """The costs a graph engine measures at start, here through the CPU's packed steps: two kinds of step per
-    bucket, the blocks they took back in the pool, saved to and reloaded from the cost file, and the engine's
-    output still plain greedy's with the choice weighing them."""
+    """The costs a graph engine measures at start (graph layouts, run without capture on the CPU): two kinds of
+    step per bucket, the blocks they took back in the pool, saved to and reloaded from the cost file, and the
+    engine's output still plain greedy's with the choice weighing them."""
     plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
     reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     f = tmp_path / "costs.json"
@@ -162,6 +162,9 @@ def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs,
     assert eng.draft_policy.costs is None  # no graphs on the CPU: the fixed rule
     spec = eng.runner.speculator
     assert spec.cost_options(False) is None and list(spec.cost_options(True)) == [3, 8]
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    eng.runner.graphs = CudaGraphs(8, eng.runner._staging_buffers(), capture=False)  # the graph steps' layouts
     eng.spec_config.step_cost_file = str(f)
     costs = load_or_measure_costs(eng, spec.cost_options(True))
     assert costs.buckets == [1, 2, 4] and costs.max_draft_len == 1 and f.is_file()
