@@ -360,7 +360,8 @@ def measure_step_costs(runner, pool, options: dict[int, list[int] | None], bucke
     try:
         for i in range(rows):
             r = Request(f"cost-{i}", None, [1] * context, sp, context + most + 2 + (1 << 20), ())
-            slots = context + 2 * most + 1
+            # the drafts it verifies, then the draft loop's own slots (a tree's topk x (D - 1) may pass N)
+            slots = context + max(2 * most + 1, runner.speculator.spec.kv_slots_past_len)
             if not pool.can_reserve(r.block_ids, slots):
                 break
             pool.reserve(r.block_ids, slots)
