@@ -37,6 +37,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                at batch 1, speculation off and on; shared: 16 questions of QUESTION (64) tokens over one document of
                DOC (6144) tokens; turns: 8 four-turn conversations (512-token first prompts, 64 new tokens a turn);
                the last two with prefix caching on and off; 600 s
+  ttftrand     TTFT of random prompts of LENS (2048) tokens at batch 1 on random weights of the default model's
+               shapes (no model to carry), speculation off and on (a random head, FORCED acceptance), 2 rounds; 150 s
   summarize    Spec-Bench-style summarization at batch 1: SUM_N (32) documents of 1-2k tokens built from the
                GPTeacher files' own responses (benchmarks/summarization_prompts.py; .traindata/), 256 new tokens,
                plain and EAGLE-3; 300 s
@@ -108,7 +110,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn zeroprof "
+STAGES+=" prefillattn zeroprof ttftrand "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -246,6 +248,11 @@ for st in "$@"; do
             [[ $parts == *" turns "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
               --random-input-len 512 --turns 4 --turn-len 64 --prefix-caching both --batch-size 1 8 --max-tokens 64 \
               --num-prompts 8 --repeats 2 --out $OUT/multi-turn | tail -14 ;;
+    ttftrand) for len in ${LENS:-2048}; do  # no model needed: the default model's shapes, random weights and head
+                bench "$(lim 150)" --model random:smollm2-135m --draft random --draft-len 4 --forced-acceptance 2.58 \
+                  --ignore-eos --random-input-len $len --batch-size 1 --max-tokens 32 --num-prompts 8 --repeats 2 \
+                  --rounds 2 --out $OUT/ttftrand-$len | tail -8
+              done ;;
     summarize) need_model && python3 benchmarks/summarization_prompts.py $D/gpteacher-*.json --num "${SUM_N:-32}" \
                  --out /tmp/summarize.jsonl && bench "$(lim 300)" --model $M --draft $HEAD --draft-len 4 \
                  --batch-size 1 --prompts /tmp/summarize.jsonl --num-prompts "${SUM_N:-32}" --max-tokens 256 \

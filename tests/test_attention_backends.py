@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.attention import paged_attention_flex, paged_attention_sdpa
+from specserve.kernels.attention import causal_prompt_sdpa, paged_attention_flex, paged_attention_sdpa
 
 
 def test_flex_matches_sdpa_on_cpu():
@@ -23,3 +23,21 @@ def test_flex_matches_sdpa_on_cpu():
         assert torch.allclose(paged_attention_flex(*args, sliding_window=w)[:4],
                               paged_attention_sdpa(*args, sliding_window=w)[:4], atol=1e-5)
 
+
+
+def test_causal_prompt_sdpa_matches_the_reference_for_prompts_from_position_zero():
+    """Rows whose queries are their first tokens: causal SDPA over each row's first Q keys equals the masked
+    reference, for one row (flat tokens are its columns) and for rows of different lengths (padding queries, whose
+    keys past the row's tokens hold other data, are not compared)."""
+    g = torch.Generator().manual_seed(6)
+    kc, vc = (torch.randn(24, 4, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(11, 6, 16, generator=g)  # GQA: 6 query heads on 2 KV heads
+    one = (torch.tensor([[3, 9, 1]]), torch.arange(11)[None], torch.arange(11)[None])  # 11 tokens in 3 blocks
+    got = causal_prompt_sdpa(q, kc, vc, one[0], one[1], 0.25)
+    assert torch.allclose(got, paged_attention_sdpa(q, kc, vc, *one, 0.25), atol=1e-5)
+    # rows of 7 and 4 tokens: flat 0..6 and 7..10, the second row's padding columns reading row T = 11
+    tables = torch.tensor([[5, 2], [8, 0]])
+    qidx = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 11, 11]])
+    qpos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 0, 0, 0]])
+    got = causal_prompt_sdpa(q, kc, vc, tables, qidx, 0.25)
+    assert torch.allclose(got, paged_attention_sdpa(q, kc, vc, tables, qidx, qpos, 0.25), atol=1e-5)

@@ -219,6 +219,29 @@ def paged_attention_sdpa(q, k_cache, v_cache, block_tables, query_index, query_p
     return out.transpose(1, 2).reshape(b * qlen, hq, d)[flat_index]
 
 
+def causal_prompt_sdpa(q, k_cache, v_cache, block_tables, query_index, scale: float, flat_index=None) -> torch.Tensor:
+    """Rows whose queries are their first tokens (``AttentionMetadata.from_zero``: row b's query in column j sits
+    at position j) -> causal attention over each row's first Q keys, gathered from its blocks, through PyTorch's
+    SDPA with ``is_causal`` (no mask tensor, so its flash kernels apply; keys past a row's own tokens are seen
+    only by its padding queries). q [T, Hq, D] -> [T, Hq, D]."""
+    import torch.nn.functional as F
+
+    t, hq, d = q.shape
+    b, qlen = query_index.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    nb = -(-qlen // bs)
+    k = k_cache[block_tables[:, :nb]].view(b, nb * bs, hkv, d)[:, :qlen]  # [B, Q, Hkv, D]
+    v = v_cache[block_tables[:, :nb]].view(b, nb * bs, hkv, d)[:, :qlen]
+    one = b == 1 and t == qlen  # one row: its flat tokens are its columns, in order
+    q_pad = q.view(1, t, hq, d) if one else torch.cat((q, q.new_zeros(1, hq, d)))[query_index]  # [B, Q, Hq, D]
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=hq != hkv)  # [B, Hq, Q, D]
+    out = out.transpose(1, 2).reshape(b * qlen, hq, d)
+    if one:
+        return out
+    return out[flat_index if flat_index is not None else _flat_index(query_index, t)]
+
+
 _FLEX = {}
 
 

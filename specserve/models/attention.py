@@ -11,12 +11,16 @@ nothing here reads a device value on the host, so a step can be captured in a CU
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.kernels import use_triton
-from specserve.kernels.attention import build_mask, paged_attention_sdpa, paged_attention_triton
+from specserve.kernels.attention import build_mask, causal_prompt_sdpa, paged_attention_sdpa, paged_attention_triton
+
+# TEMPORARY (measurement only, removed once decided): prompt chunks from position 0 through PyTorch's SDPA on CUDA
+PROMPT_SDPA = os.environ.get("SPECSERVE_PROMPT_SDPA", "0") == "1"
 
 
 @dataclass
@@ -34,6 +38,10 @@ class AttentionMetadata:
     # every key up to the query's position, an ordinary query); tree_base [B] int64. None: causal rows only
     tree_bits: torch.Tensor | None = None
     tree_base: torch.Tensor | None = None
+    # host-known: every row's queries are its first tokens, positions 0, 1, ... in columns 0, 1, ... of the [B, Q]
+    # layout (a prompt's first chunk, nothing cached before it): its attention is plain causal attention over the
+    # row's own first Q keys (``causal_prompt_sdpa``)
+    from_zero: bool = False
     _mask: torch.Tensor | None = field(default=None, repr=False)  # SDPA mask, built once per step on first use
 
     def new_step(self) -> None:
@@ -57,7 +65,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     D]; the Triton kernel reads those rows in place, the references gather them."""
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
-    if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
+    sdpa = backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64))
+    if (meta.from_zero and q_rows is None and meta.tree_bits is None and meta.sliding_window is None
+            and (sdpa or (backend == "auto" and PROMPT_SDPA))):
+        return causal_prompt_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, scale, meta.flat_index)
+    if sdpa:
         q = q if q_rows is None else q[q_rows]
         return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                     meta.sliding_window, flat_index=meta.flat_index,

@@ -54,6 +54,7 @@ class GraphLayout:
     q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a one-row prefill's padded token count
     table_width: int  # block-table entries per row (covers max_model_len)
     prefill: bool = False  # a one-row prefill (``_prefill_layout``), not a generation step, whatever q is
+    from_zero: bool = False  # that prefill is a whole prompt, from position 0 (``AttentionMetadata.from_zero``)
 
 
 @dataclass
@@ -129,9 +130,10 @@ class ModelRunner:
         q = prefill_q(s.num_tokens)
         if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens or q > self.max_graph_q:
             return None
-        return self._layout(batch, q, prefill=True)
+        return self._layout(batch, q, prefill=True, from_zero=s.start == 0)
 
-    def _layout(self, batch: SchedulerOutput, q: int, prefill: bool = False) -> GraphLayout | None:
+    def _layout(self, batch: SchedulerOutput, q: int, prefill: bool = False,
+                from_zero: bool = False) -> GraphLayout | None:
         """Rows padded to a captured size; block tables as wide as the longest row needs, rounded up to a
         power of two (at least 256 tokens), so that a graph's attention covers at most twice the context
         it needs and a handful of graphs serve every context length."""
@@ -143,7 +145,7 @@ class ModelRunner:
         width = min(self.graph_table_width, 1 << max(need, cdiv(256, self.block_size)).bit_length() - 1)
         if width < need:
             width = min(self.graph_table_width, width * 2)
-        return GraphLayout(rows, q, max(width, need), prefill)
+        return GraphLayout(rows, q, max(width, need), prefill, from_zero)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
@@ -283,6 +285,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=x["slots"].view(-1), block_tables=tables, query_index=x["flat"], query_pos=x["positions"],
             flat_index=x["flat"].view(-1), sliding_window=self.sliding_window, backend=self.attention_backend,
+            from_zero=layout.from_zero,
         )
         sampling = sampling_tensors(rec.requests, f)
         # every row of a graph step samples (padding rows as greedy dummies); with one token per row, row i's last

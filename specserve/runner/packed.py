@@ -30,6 +30,7 @@ class Staged:
     samplers: list  # the requests whose sampling parameters are staged, in row order
     switches: StepSwitches
     host_rows: list  # the scheduled rows (speculation's test heads read them)
+    from_zero: bool = False  # every row's tokens start at position 0 (``AttentionMetadata.from_zero``)
 
 
 class PackedSteps:
@@ -112,7 +113,7 @@ class PackedSteps:
         self.ints.upload(ipack.size)
         if fpack.size:
             self.floats.upload(fpack.size)
-        return Staged(ipack, fpack, q, samplers, switches, sched)
+        return Staged(ipack, fpack, q, samplers, switches, sched, from_zero=not starts.any())
 
     def views(self, st: Staged, spec) -> StepBatch:
         """Device views of a staged packed step's inputs."""
@@ -122,6 +123,7 @@ class PackedSteps:
             slot_mapping=a["slots"], block_tables=a["tables"], query_index=a["query_index"],
             query_pos=a["query_pos"], flat_index=a["flat"], sliding_window=self.sliding_window,
             backend=self.attention_backend, tree_bits=a.get("tree_bits"), tree_base=a.get("tree_base"),
+            from_zero=st.from_zero,
         )
         sampling = sampling_tensors(st.samplers, {**a, **f}) if st.samplers else None
         batch = StepBatch(input_ids=a["input_ids"], positions=a["positions"], meta=meta,
