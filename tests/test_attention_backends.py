@@ -41,3 +41,30 @@ def test_causal_prompt_sdpa_matches_the_reference_for_prompts_from_position_zero
     qpos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 0, 0, 0]])
     got = causal_prompt_sdpa(q, kc, vc, tables, qidx, 0.25)
     assert torch.allclose(got, paged_attention_sdpa(q, kc, vc, tables, qidx, qpos, 0.25), atol=1e-5)
+
+
+def test_only_a_prompts_first_chunk_takes_the_causal_kernel(tmp_path, monkeypatch):
+    """``from_zero`` is set for a step whose rows all start at position 0: a prompt's first chunk; its later
+    chunks, and a prompt whose start the prefix cache already holds, take the paged path. The tokens equal an
+    engine that prefills each prompt in one step."""
+    import specserve.models.attention as attention
+    from specserve import LLM, SamplingParams
+    from tiny_models import make_hf_model
+
+    make_hf_model(tmp_path / "target", "llama", num_hidden_layers=2)
+    prompt = {"prompt_token_ids": list(range(5, 25))}  # 20 tokens: chunks of 8, 8 and 4
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    whole = LLM(str(tmp_path / "target"), device="cpu", dtype="float32").generate([prompt], sp)[0].token_ids
+    widths = []
+
+    def spy(q, k_cache, v_cache, block_tables, query_index, *a):
+        widths.append(query_index.shape[1])
+        return causal_prompt_sdpa(q, k_cache, v_cache, block_tables, query_index, *a)
+
+    monkeypatch.setattr(attention, "causal_prompt_sdpa", spy)
+    llm = LLM(str(tmp_path / "target"), device="cpu", dtype="float32", max_num_batched_tokens=8)
+    assert llm.generate([prompt], sp)[0].token_ids == whole
+    assert widths == [8, 8]  # the first chunk, in each of the two layers
+    widths.clear()
+    assert llm.generate([prompt], sp)[0].token_ids == whole  # its first 16 tokens' blocks are cached
+    assert widths == []

@@ -12,7 +12,7 @@ import pytest
 from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepCosts, load_or_measure_costs
 from specserve.speculative.tree import tree_layout
-from specserve.speculative.tree_choice import TreeChoice, measurement_tree
+from specserve.speculative.tree_choice import CHAIN, TREE, WINDOW, TreeChoice, measurement_tree
 from tiny_models import PROMPTS, make_head, make_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -28,8 +28,11 @@ def dirs(tmp_path_factory):
 
 
 def _choice(**kw) -> TreeChoice:
-    return TreeChoice(SpeculativeConfig(draft_model="random", max_draft_len=D, topk=3, max_total_draft_tokens=N,
-                                        **kw))
+    """A choice whose costs stay as set: no observed periods (these loops run far faster than any step)."""
+    c = TreeChoice(SpeculativeConfig(draft_model="random", max_draft_len=D, topk=3, max_total_draft_tokens=N,
+                                     **kw))
+    c.timed = False
+    return c
 
 
 def _steps(choice: TreeChoice, tree: bool, accepted: int, n: int = 1, rows: int = 1) -> None:
@@ -86,7 +89,7 @@ def test_each_kind_is_tried_early_and_kept_only_while_its_counts_bear_it_out():
     good.costs = StepCosts([4], [[1.0, 1.5]])
     _steps(good, False, 1, 50, rows=4)
     _steps(good, True, 4, 50, rows=4)
-    assert {good.choose(rows) for _ in range(10)} == {N}
+    assert {good.choose(rows, True) for _ in range(10)} == {N}
 
 
 def test_the_unchosen_kind_is_probed_with_a_doubling_wait():
@@ -94,16 +97,48 @@ def test_the_unchosen_kind_is_probed_with_a_doubling_wait():
     c.costs = StepCosts([1], [[1.0, 1.5]])
     _steps(c, False, 0, 100)
     _steps(c, True, 4, 100)
-    chosen = [c.choose([None]) for _ in range(8 * PROBE_AFTER)]
+    assert {c.choose([None]) for _ in range(3 * PROBE_AFTER)} == {N}  # prompt steps never probe
+    chosen = [c.choose([None], True) for _ in range(8 * PROBE_AFTER)]
     probes = [i for i, x in enumerate(chosen) if x == D]
     assert probes == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1, 7 * PROBE_AFTER - 1]
     assert c.probe_after == 8 * PROBE_AFTER
     _steps(c, True, 0, 2000)  # the tree stops paying: the choice moves and the wait starts over
-    assert c.choose([None]) == D and c.probe_after == PROBE_AFTER
+    assert c.choose([None], True) == D and c.probe_after == PROBE_AFTER
     for _ in range(20):
         c.run = c.probe_after
-        c.choose([None])
+        c.choose([None], True)
     assert c.probe_after == PROBE_MAX
+
+
+def test_counts_follow_the_recent_steps():
+    """A kind's counts are halved past ``WINDOW`` rows: a tree that accepted everything for long and nothing since
+    is judged mostly by the recent steps."""
+    c = _choice()
+    _steps(c, True, D, WINDOW)
+    _steps(c, True, 0, 2 * WINDOW)
+    assert c.counts[1].rows <= WINDOW and c.expected_tokens()[1] < 1.5
+
+
+def test_a_tree_of_depth_many_nodes_still_drafts_a_tree(dirs):
+    """N = D: the tree verifies as many tokens as the chain, so nothing is measured and the fixed rule drafts the
+    tree (its topk children a node) at few rows."""
+    c = TreeChoice(SpeculativeConfig(draft_model="random", max_draft_len=3, topk=2, max_total_draft_tokens=3))
+    assert c.options() is None and c.choose([None]) == 3 and c.kind == TREE
+    plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
+    reference = [o.token_ids for o in plain.generate(PROMPTS[:3], GREEDY)]
+    llm = _tree_llm(dirs, n=3)
+    spec, topks = llm.engine.runner.speculator, []
+    plan = spec.plan_step
+
+    def spy(sched, draft_len=None):
+        out = plan(sched, draft_len)
+        topks.append(spec.step_topk)
+        return out
+
+    spec.plan_step = spy
+    assert spec.cost_options(True) is None
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == reference
+    assert set(topks) == {3}
 
 
 def test_without_costs_the_fixed_rule_holds_and_the_options_are_a_chain_and_the_tree():
@@ -118,8 +153,8 @@ def test_without_costs_the_fixed_rule_holds_and_the_options_are_a_chain_and_the_
     SpeculativeConfig(draft_model="random", topk=2, step_cost_file="x.json")
 
 
-def _tree_llm(dirs, **kw) -> LLM:
-    spec = dict(method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=3, topk=3, max_total_draft_tokens=8)
+def _tree_llm(dirs, n: int = 8, **kw) -> LLM:
+    spec = dict(method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=3, topk=3, max_total_draft_tokens=n)
     return LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=spec, **kw)
 
 
@@ -139,14 +174,15 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
 
     def random_kind(requests, generation=False):
         choose(requests, generation)  # the policy's own bookkeeping runs too
-        chosen.append(rng.choice([3, 8]))
-        return chosen[-1]
+        policy.kind = rng.choice([CHAIN, TREE])
+        chosen.append(policy.kind)
+        return 8 if policy.kind == TREE else 3
 
     policy.choose = random_kind
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    assert {3, 8} <= set(chosen)
+    assert {CHAIN, TREE} <= set(chosen)
     chain, tree = policy.counts
-    assert chain.num_verify_steps > 0 and tree.num_verify_steps > 0  # observed by kind of step
+    assert chain.rows > 0 and tree.rows > 0  # observed by kind of step
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
 
 

@@ -127,6 +127,9 @@ class LLMEngine:
             options = speculator.cost_options(self.runner.graphs is not None)
             if options:  # rank 0's measurement: every rank chooses alike
                 self.draft_policy.costs = broadcast_object(self.tp, load_or_measure_costs(self, options))
+            elif self.spec_config.step_cost_file is not None:
+                log.warning("step_cost_file %s unused: a tree's costs are measured only where the engine runs CUDA "
+                            "graphs, and not for a tree of max_draft_len nodes", self.spec_config.step_cost_file)
         self.num_steps = 0  # model steps run (benchmarks)
         self.num_generated_tokens = 0  # tokens appended to requests, reported or not (the server's throughput log)
         self.requests: dict[str, Request] = {}

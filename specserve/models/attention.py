@@ -56,6 +56,12 @@ class AttentionMetadata:
         return self._mask
 
 
+def causal_prompts(backend: str, device: torch.device) -> bool:
+    """Whether ``from_zero`` steps take ``causal_prompt_sdpa`` with this backend on this device (a one-row prefill
+    graph's key tells them apart only there, so no second graph is captured for the same kernels)."""
+    return backend == "sdpa" or (backend == "auto" and (device.type != "cuda" or PROMPT_SDPA))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, defer_merge: bool = False, q_rows=None, split_short: bool = False):
     """q [T, Hq, D] (this step's keys already in the cache) -> out [T, Hq, D]. ``defer_merge``: the Triton

@@ -18,7 +18,7 @@ import torch
 from specserve.cache.kv_cache import KVCache
 from specserve.config import cdiv
 from specserve.kernels.step_inputs import correct_record, expand_record
-from specserve.models.attention import AttentionMetadata
+from specserve.models.attention import AttentionMetadata, causal_prompts
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
@@ -130,7 +130,7 @@ class ModelRunner:
         q = prefill_q(s.num_tokens)
         if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens or q > self.max_graph_q:
             return None
-        return self._layout(batch, q, prefill=True, from_zero=s.start == 0)
+        return self._layout(batch, q, prefill=True, from_zero=s.start == 0 and self.causal_prompts)
 
     def _layout(self, batch: SchedulerOutput, q: int, prefill: bool = False,
                 from_zero: bool = False) -> GraphLayout | None:
@@ -160,6 +160,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
         self.attention_backend = attention_backend
+        self.causal_prompts = causal_prompts(attention_backend, device)  # prompts from 0 take their own kernel
         self.speculator = speculator
         spec = speculator
         # block-table entries past a row's tokens that a step may write (the draft loop's positions)

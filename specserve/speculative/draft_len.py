@@ -429,6 +429,6 @@ def load_or_measure_costs(engine, options: dict[int, list[int] | None]) -> StepC
     t0 = time.perf_counter()
     costs = measure_step_costs(engine.runner, engine.pool, options, buckets)
     log.info("step costs measured in %.1f s", time.perf_counter() - t0)
-    if spec.step_cost_file is not None:
+    if spec.step_cost_file is not None and engine.tp.rank == 0:  # every rank measures (in step); one writes
         costs.save(spec.step_cost_file, key)
     return costs

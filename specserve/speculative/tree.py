@@ -43,7 +43,7 @@ from specserve.kernels.tree_draft import tree_draft_inputs
 from specserve.kernels.tree_expand import Frontier, expand_depth, select_tree
 from specserve.kernels.tree_layout import tree_attention_layout
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
-from specserve.speculative.tree_choice import TreeChoice
+from specserve.speculative.tree_choice import TREE, TreeChoice
 
 
 @dataclass
@@ -106,14 +106,17 @@ class TreeSpeculator(SpeculatorBase):
         1 + D tokens a row): ``TreeChoice``'s choice, or ``draft_len`` where a caller chooses (N: the tree, D: a
         chain) -> the drafts it proposes a row at most."""
         if draft_len is None:
-            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched))
-        self.step_topk = self.topk if draft_len > self.draft_len else 1
-        return self.num_nodes if self.step_topk > 1 else self.draft_len
+            self.policy.choose([s.request for s in sched], self.generation_step(sched))
+            tree = self.policy.kind == TREE
+        else:
+            tree = draft_len > self.draft_len
+        self.step_topk = self.topk if tree else 1
+        return self.num_nodes if tree else self.draft_len
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
         """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a chain step and a tree step
         (``TreeChoice.options``), whose measured costs the choice weighs."""
-        return self.policy.options() if graphs and self.spec.measures_tree_costs else None
+        return self.policy.options() if graphs and self.spec.measures_tree_costs else None  # None where N = D
 
     def step_switches(self, switches: StepSwitches) -> StepSwitches:
         """A record's switches with this step's drafting (tree or chain)."""

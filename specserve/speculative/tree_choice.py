@@ -10,12 +10,14 @@ chains. Without it (the default, on CUDA graphs), each step drafts whichever pro
   observes (``StepCosts.observe``, as ``adaptive_draft_len`` does);
 * tokens: 1 + the sum over depths of how often an accepted path reached that depth, counted apart for the
   engine's tree steps and its chain steps (a row's own counts are not used: a row's tree and chain steps
-  interleave, and one engine-wide figure per kind is what the two costs are weighed against). Counts start from
-  an optimistic prior (``draft_len.engine_rates``: every depth accepted, weighted as ``PRIOR_STEPS`` steps), so
-  each kind is tried early and kept only while its counts bear it out.
+  interleave, and one engine-wide figure per kind is what the two costs are weighed against), halved whenever a
+  kind's rows pass ``WINDOW`` so that they follow the prompts the engine is serving now. Counts start from an
+  optimistic prior (``draft_len.engine_rates``: every depth accepted, weighted as ``PRIOR_STEPS`` steps), so each
+  kind is tried early and kept only while its counts bear it out.
 
-A kind left unchosen for ``PROBE_AFTER`` steps in a row is drafted once, so that its counts follow the prompts
-the engine is serving now; each probe that changed nothing doubles the wait, up to ``PROBE_MAX``.
+A kind left unchosen for ``PROBE_AFTER`` generation steps in a row is drafted once, so that its counts can move;
+each probe that changed nothing doubles the wait, up to ``PROBE_MAX``. A tree of N = D nodes verifies as many
+tokens as the chain: nothing to weigh, the fixed rule decides.
 
 Outputs never depend on the choice: the target decides every token, whatever a step verifies.
 """
@@ -23,15 +25,38 @@ Outputs never depend on the choice: the target decides every token, whatever a s
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.core.metrics import SpecStats
 from specserve.speculative.config import TREE_MAX_BATCH, SpeculativeConfig
 from specserve.speculative.draft_len import (PROBE_AFTER, PROBE_MAX, StepCosts, StepPeriods, best_draft_len,
                                              engine_rates)
 
-CHAIN, TREE = 0, 1  # the columns of the step costs
+CHAIN, TREE = 0, 1  # the columns of the step costs, and the kinds of step
+WINDOW = 4096  # a kind's counts are halved when its rows verified pass this many
+
+
+@dataclass
+class _Tally:
+    """One kind of step's acceptance by depth over the engine's rows (``engine_rates`` reads it)."""
+
+    drafted_per_pos: np.ndarray  # [D] rows whose verified drafts reached depth j + 1
+    accepted_per_pos: np.ndarray  # [D] rows whose accepted path did
+    rows: float = field(default=0.0)
+
+    @classmethod
+    def empty(cls, depth: int) -> "_Tally":
+        return cls(np.zeros(depth), np.zeros(depth))
+
+    def add(self, depth: int, accepted: int) -> None:
+        self.drafted_per_pos[:depth] += 1
+        self.accepted_per_pos[:min(accepted, depth)] += 1
+        self.rows += 1
+        if self.rows > WINDOW:
+            self.drafted_per_pos *= 0.5
+            self.accepted_per_pos *= 0.5
+            self.rows *= 0.5
 
 
 def measurement_tree(topk: int, depth: int, nodes: int) -> list[int]:
@@ -61,9 +86,11 @@ class TreeChoice:
         self.spec = spec  # read at each step: ``tree_max_batch_size`` may be set after construction
         self.draft_len, self.num_nodes = spec.max_draft_len, spec.num_nodes
         self.costs = None  # set by the engine where it measures them (``measures_tree_costs``)
-        self.counts = (SpecStats(), SpecStats())  # the engine's chain steps' and tree steps' acceptance by depth
-        self.last: int | None = None  # the kind chosen for the step before (not a probe)
-        self.run = 0  # steps in a row of that kind
+        # the engine's chain steps' and tree steps' acceptance by depth
+        self.counts = (_Tally.empty(self.draft_len), _Tally.empty(self.draft_len))
+        self.kind = TREE  # this step's (``choose``), which ``TreeSpeculator.plan_step`` reads
+        self.last: int | None = None  # the kind chosen for the generation step before (not a probe)
+        self.run = 0  # generation steps in a row of that kind
         self.probe_after = PROBE_AFTER
         self.timed = True  # observe step periods (off under tensor parallelism: ranks must choose alike)
         self.periods = StepPeriods()
@@ -81,9 +108,11 @@ class TreeChoice:
         self._costs = costs
         self.live = None if costs is None else costs.copy()
 
-    def options(self) -> dict[int, list[int] | None]:
+    def options(self) -> dict[int, list[int] | None] | None:
         """The steps whose costs are measured, in the costs' column order: drafts a row -> the parents of the
-        drafts it verifies."""
+        drafts it verifies; None for a tree of N = D nodes (the fixed rule)."""
+        if self.num_nodes == self.draft_len:
+            return None
         return {self.draft_len: list(range(self.draft_len)),
                 self.num_nodes: measurement_tree(self.spec.topk, self.draft_len, self.num_nodes)}
 
@@ -96,20 +125,23 @@ class TreeChoice:
         return np.array(out)
 
     def choose(self, requests: list, generation: bool = False) -> int:
-        """The drafts a step of these rows proposes a row: N (a tree) or D (a chain)."""
+        """The kind of a step of these rows (``kind``) -> the drafts it proposes a row: N (a tree) or D (a
+        chain). ``generation``: every row verifies and samples; only such steps count towards a probe."""
         now, rows = time.perf_counter(), len(requests)
         if self.live is None:  # the fixed rule
             cap = self.spec.tree_max_batch_size
             kind = TREE if rows <= (TREE_MAX_BATCH if cap is None else cap) else CHAIN
         else:
-            best = best_draft_len(self.expected_tokens(), self.live.row(rows), TREE, self.last)
-            self.run = self.run + 1 if best == self.last else 1
-            if best != self.last:
-                self.probe_after = PROBE_AFTER
-            kind = self.last = best
-            if self.run >= self.probe_after:  # a probe of the other kind, this step only
-                self.run, kind = 0, 1 - best
-                self.probe_after = min(2 * self.probe_after, PROBE_MAX)
+            kind = best = best_draft_len(self.expected_tokens(), self.live.row(rows), TREE, self.last)
+            if generation:
+                self.run = self.run + 1 if best == self.last else 1
+                if best != self.last:
+                    self.probe_after = PROBE_AFTER
+                self.last = best
+                if self.run >= self.probe_after:  # a probe of the other kind, this step only
+                    self.run, kind = 0, 1 - best
+                    self.probe_after = min(2 * self.probe_after, PROBE_MAX)
+        self.kind = kind
         self.periods.launch(self.live if self.timed else None, rows, kind, generation, now)
         return self.num_nodes if kind == TREE else self.draft_len
 
@@ -117,6 +149,5 @@ class TreeChoice:
         """A collected step's rows (``num_drafts`` verified, ``num_accepted``, ``depth`` of what they verified):
         a row that verified more drafts than its depth verified a tree, the others a chain."""
         for r in rows:
-            if r.num_drafts > 0:
-                tree = r.depth is not None and r.num_drafts > r.depth
-                self.counts[TREE if tree else CHAIN].record(r.num_drafts, r.num_accepted, 0, r.depth)
+            if r.num_drafts > 0 and r.depth:
+                self.counts[TREE if r.num_drafts > r.depth else CHAIN].add(r.depth, r.num_accepted)
