@@ -11,16 +11,12 @@ nothing here reads a device value on the host, so a step can be captured in a CU
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.kernels import use_triton
 from specserve.kernels.attention import build_mask, causal_prompt_sdpa, paged_attention_sdpa, paged_attention_triton
-
-# TEMPORARY (measurement only, removed once decided): prompt chunks from position 0 through PyTorch's SDPA on CUDA
-PROMPT_SDPA = os.environ.get("SPECSERVE_PROMPT_SDPA", "0") == "1"
 
 
 @dataclass
@@ -58,8 +54,10 @@ class AttentionMetadata:
 
 def causal_prompts(backend: str, device: torch.device) -> bool:
     """Whether ``from_zero`` steps take ``causal_prompt_sdpa`` with this backend on this device (a one-row prefill
-    graph's key tells them apart only there, so no second graph is captured for the same kernels)."""
-    return backend == "sdpa" or (backend == "auto" and (device.type != "cuda" or PROMPT_SDPA))
+    graph's key tells them apart only there, so no second graph is captured for the same kernels). Wherever SDPA
+    is the backend; on CUDA the Triton kernel keeps prompts until a GPU has timed the two on prompt chunks
+    (``benchmarks/bench_attention.py --prefill``, which times dense causal SDPA beside the kernel's launches)."""
+    return backend == "sdpa" or (backend == "auto" and device.type != "cuda")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -72,8 +70,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
     sdpa = backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64))
-    if (meta.from_zero and q_rows is None and meta.tree_bits is None and meta.sliding_window is None
-            and (sdpa or (backend == "auto" and PROMPT_SDPA))):
+    if sdpa and meta.from_zero and q_rows is None and meta.tree_bits is None and meta.sliding_window is None:
         return causal_prompt_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, scale, meta.flat_index)
     if sdpa:
         q = q if q_rows is None else q[q_rows]
