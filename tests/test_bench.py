@@ -85,11 +85,15 @@ def test_bench_overlap_both_runs_each_engine_with_and_without_it(dirs):
 
 
 def test_bench_runs_draft_trees_beside_the_chain(dirs):
-    res = run_bench(BenchConfig(model=str(dirs / "target"), draft=str(dirs / "eagle3"), draft_len=2, num_prompts=2,
-                                max_tokens=6, repeats=1, device="cpu", dtype="float32", trees=["2x2x4", "3x3x9"],
-                                batch_sizes=[1, 2]))
+    res = run_bench(BenchConfig(model=str(dirs / "target"), draft=str(dirs / "eagle3"), draft_len=2, num_prompts=3,
+                                max_tokens=6, repeats=1, device="cpu", dtype="float32",
+                                trees=["2x2x4", "3x3x9", "3x3x9:1"], batch_sizes=[1, 2]))
     kinds = {(r["speculative"], r["batch"]): r for r in res["rows"]}
-    assert set(kinds) == {(k, b) for k in (False, True, "tree 2x2x4", "tree 3x3x9") for b in (1, 2)}
+    assert set(kinds) == {(k, b) for k in (False, True, "tree 2x2x4", "tree 3x3x9", "tree 3x3x9:1") for b in (1, 2)}
+    # tree_max_batch_size 1: two rows draft chains (3 drafts), the third prompt alone the tree (9): the table lists both
+    mixed = kinds[("tree 3x3x9:1", 2)]["steps_by_draft_len"]
+    assert mixed[3] > 0 and mixed[9] > 0
+    assert "| tree 3x3x9:1 | 2 | " in table(res) and "| steps by drafts proposed a row |" in table(res)
     tree = kinds[("tree 3x3x9", 2)]
     assert tree["draft_len"] == 3 and tree["acceptance_length"] >= 1.0
     assert tree["first_tokens"] == kinds[(False, 2)]["first_tokens"]  # greedy: lossless

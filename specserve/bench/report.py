@@ -43,6 +43,11 @@ def table(result: dict) -> str:
         if k.endswith("_error"):  # a baseline that could not run
             msg = (str(v).splitlines() or [""])[0].replace("|", "/")[:200]
             lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | | | | |")
+    mixed = [r for r in result["rows"] if sum(1 for n in r.get("steps_by_draft_len") or [] if n) > 1]
+    if mixed:  # engines whose steps proposed different numbers of drafts (adaptive D; a tree or its chain)
+        lines += ["", "| steps by drafts proposed a row | batch | drafts: steps |", "|---|---|---|"]
+        lines += [f"| {r.get('speculative')} | {r['batch']} | "
+                  + " ".join(f"{d}: {n}" for d, n in enumerate(r["steps_by_draft_len"]) if n) + " |" for r in mixed]
     if result.get("ratios"):
         lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.2f}x |" for k, v in result["ratios"].items()]
