@@ -106,7 +106,8 @@ def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, metho
 
 def test_cuda_draft_trees_are_lossless_with_graphs_and_overlap(tmp_path_factory):
     """Draft trees on CUDA (captured graphs, the tree mask in the Triton attention kernel, the overlap scheduler),
-    with steps above ``tree_max_batch_size`` drafting chains, give plain greedy decoding's tokens."""
+    with steps above ``tree_max_batch_size`` drafting chains, or each step's kind chosen by measured cost, give
+    plain greedy decoding's tokens."""
     from tiny_models import make_head
 
     d = tmp_path_factory.mktemp("tree_gpu")
@@ -122,4 +123,13 @@ def test_cuda_draft_trees_are_lossless_with_graphs_and_overlap(tmp_path_factory)
         llm = LLM(str(d / "t"), speculative_config=spec, overlap_scheduler=overlap, **common)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
         assert llm.engine.spec_stats.num_verify_steps > 0
+        assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    # the default: a chain step and a tree step measured per batch bucket at start (graph replays), each step
+    # drafting the kind of more expected tokens per second
+    spec.pop("tree_max_batch_size")
+    for overlap in (False, True):
+        llm = LLM(str(d / "t"), speculative_config=spec, overlap_scheduler=overlap, **common)
+        costs = llm.engine.draft_policy.costs
+        assert costs.buckets == [1, 2, 4, 6] and all(len(s) == 2 and min(s) > 0 for s in costs.seconds)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
         assert llm.engine.pool.num_free == llm.engine.pool.num_usable
