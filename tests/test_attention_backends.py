@@ -43,6 +43,16 @@ def test_causal_prompt_sdpa_matches_the_reference_for_prompts_from_position_zero
     assert torch.allclose(got, paged_attention_sdpa(q, kc, vc, tables, qidx, qpos, 0.25), atol=1e-5)
 
 
+def test_one_rule_marks_prompts_from_zero_for_packed_steps_and_graphs():
+    """``causal_prompts``: the SDPA backend anywhere, "auto" off CUDA; not the Triton backend, not "auto" on CUDA
+    (until a GPU has timed the two). The runner marks packed steps and keys prefill graphs by it alike."""
+    from specserve.models.attention import causal_prompts
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert causal_prompts("auto", cpu) and causal_prompts("sdpa", cpu) and causal_prompts("sdpa", cuda)
+    assert not causal_prompts("auto", cuda) and not causal_prompts("triton", cpu)
+
+
 def test_only_a_prompts_first_chunk_takes_the_causal_kernel(tmp_path, monkeypatch):
     """``from_zero`` is set for a step whose rows all start at position 0: a prompt's first chunk; its later
     chunks, and a prompt whose start the prefix cache already holds, take the paged path. The tokens equal an
@@ -68,3 +78,18 @@ def test_only_a_prompts_first_chunk_takes_the_causal_kernel(tmp_path, monkeypatc
     widths.clear()
     assert llm.generate([prompt], sp)[0].token_ids == whole  # its first 16 tokens' blocks are cached
     assert widths == []
+    # a one-row prefill graph (its layout run without capture on the CPU) is keyed by the mark, and so is its
+    # prompt: a whole prompt from position 0 takes the kernel there too
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(4, runner._staging_buffers(), capture=False)
+    pick, layouts = runner.graph_layout, []
+    runner.graph_layout = lambda batch: layouts.append(pick(batch)) or layouts[-1]
+    llm.engine.pool.reset_cache()
+    short = {"prompt_token_ids": list(range(5, 12))}  # 7 tokens: one chunk, a prefill graph of 16
+    ref = LLM(str(tmp_path / "target"), device="cpu", dtype="float32").generate([short], sp)[0].token_ids
+    widths.clear()  # the packed engine's prompt: [7, 7]
+    assert llm.generate([short], sp)[0].token_ids == ref
+    first = next(lay for lay in layouts if lay is not None and lay.prefill)
+    assert first.from_zero and first.q == 16 and widths == [16, 16]

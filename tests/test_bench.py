@@ -93,7 +93,8 @@ def test_bench_runs_draft_trees_beside_the_chain(dirs):
     # tree_max_batch_size 1: two rows draft chains (3 drafts), the third prompt alone the tree (9): the table lists both
     mixed = kinds[("tree 3x3x9:1", 2)]["steps_by_draft_len"]
     assert mixed[3] > 0 and mixed[9] > 0
-    assert "| tree 3x3x9:1 | 2 | " in table(res) and "| steps by drafts proposed a row |" in table(res)
+    assert "| specserve | tree 3x3x9:1 | on | 2 | 3: " in table(res)
+    assert "| steps by drafts proposed a row: engine |" in table(res)
     tree = kinds[("tree 3x3x9", 2)]
     assert tree["draft_len"] == 3 and tree["acceptance_length"] >= 1.0
     assert tree["first_tokens"] == kinds[(False, 2)]["first_tokens"]  # greedy: lossless

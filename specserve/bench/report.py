@@ -10,6 +10,16 @@ def _f(x, fmt=".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _spec(row: dict) -> str:
+    """A row's speculation as the table prints it: off, on (the chain), or its kind ("tree 4x5x24", ...)."""
+    kind = row.get("speculative")
+    return kind if isinstance(kind, str) else ("on" if kind else "off")
+
+
+def _on(flag) -> str:
+    return {True: "on", False: "off"}.get(flag, "-")
+
+
 def table(result: dict) -> str:
     """The rows as a markdown table, then the ratios and step timings."""
     meta = result["meta"]
@@ -26,10 +36,7 @@ def table(result: dict) -> str:
              "TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | weight GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        kind = r.get("speculative")
-        spec = kind if isinstance(kind, str) else ("on" if kind else "off")
-        overlap = {True: "on", False: "off"}.get(r.get("overlap"), "-")
-        cache = {True: "on", False: "off"}.get(r.get("prefix_caching"), "-")
+        spec, overlap, cache = _spec(r), _on(r.get("overlap")), _on(r.get("prefix_caching"))
         if r.get("prefix_hit_rate") is not None:
             cache += f" ({r['prefix_hit_rate']:.0%})"
         al = _f(r.get("acceptance_length"), ".2f")
@@ -45,8 +52,9 @@ def table(result: dict) -> str:
             lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | | | | |")
     mixed = [r for r in result["rows"] if sum(1 for n in r.get("steps_by_draft_len") or [] if n) > 1]
     if mixed:  # engines whose steps proposed different numbers of drafts (adaptive D; a tree or its chain)
-        lines += ["", "| steps by drafts proposed a row | batch | drafts: steps |", "|---|---|---|"]
-        lines += [f"| {r.get('speculative')} | {r['batch']} | "
+        lines += ["", "| steps by drafts proposed a row: engine | spec | overlap | batch | drafts: steps |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['engine']} | {_spec(r)} | {_on(r.get('overlap'))} | {r['batch']} | "
                   + " ".join(f"{d}: {n}" for d, n in enumerate(r["steps_by_draft_len"]) if n) + " |" for r in mixed]
     if result.get("ratios"):
         lines += ["", "| ratio (tokens/s) | value |", "|---|---|"]

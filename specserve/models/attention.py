@@ -35,8 +35,8 @@ class AttentionMetadata:
     tree_bits: torch.Tensor | None = None
     tree_base: torch.Tensor | None = None
     # host-known: every row's queries are its first tokens, positions 0, 1, ... in columns 0, 1, ... of the [B, Q]
-    # layout (a prompt's first chunk, nothing cached before it): its attention is plain causal attention over the
-    # row's own first Q keys (``causal_prompt_sdpa``)
+    # layout (a prompt's first chunk, nothing cached before it), and the runner set it where ``causal_prompts``
+    # holds: its attention is plain causal attention over the row's own first Q keys (``causal_prompt_sdpa``)
     from_zero: bool = False
     _mask: torch.Tensor | None = field(default=None, repr=False)  # SDPA mask, built once per step on first use
 
@@ -53,10 +53,11 @@ class AttentionMetadata:
 
 
 def causal_prompts(backend: str, device: torch.device) -> bool:
-    """Whether ``from_zero`` steps take ``causal_prompt_sdpa`` with this backend on this device (a one-row prefill
-    graph's key tells them apart only there, so no second graph is captured for the same kernels). Wherever SDPA
-    is the backend; on CUDA the Triton kernel keeps prompts until a GPU has timed the two on prompt chunks
-    (``benchmarks/bench_attention.py --prefill``, which times dense causal SDPA beside the kernel's launches)."""
+    """Whether steps whose rows all start at position 0 are marked ``from_zero`` (and so take
+    ``causal_prompt_sdpa``) with this backend on this device: the one rule packed steps and one-row prefill graphs
+    (whose key holds the mark) share. The SDPA backend, and "auto" off CUDA; on CUDA the Triton kernel keeps prompts
+    until a GPU has timed the two on prompt chunks (``benchmarks/bench_attention.py --prefill``, which times dense
+    causal SDPA beside the kernel's launches)."""
     return backend == "sdpa" or (backend == "auto" and device.type != "cuda")
 
 
@@ -69,10 +70,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     D]; the Triton kernel reads those rows in place, the references gather them."""
     backend = meta.backend
     group = q.shape[1] // k_cache.shape[2]  # the Triton kernel packs a KV head's query heads in <= 64 rows
-    sdpa = backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64))
-    if sdpa and meta.from_zero and q_rows is None and meta.tree_bits is None and meta.sliding_window is None:
+    if meta.from_zero and q_rows is None and meta.tree_bits is None and meta.sliding_window is None:
         return causal_prompt_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, scale, meta.flat_index)
-    if sdpa:
+    if backend == "sdpa" or (backend == "auto" and (not use_triton(q) or group > 64)):
         q = q if q_rows is None else q[q_rows]
         return paged_attention_sdpa(q, k_cache, v_cache, meta.block_tables, meta.query_index, meta.query_pos, scale,
                                     meta.sliding_window, flat_index=meta.flat_index,

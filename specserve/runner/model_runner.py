@@ -190,7 +190,7 @@ class ModelRunner:
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
         self.packed = PackedSteps(self._ints, self._floats, self.block_size, self.table_lookahead, self.vocab_size,
-                                  self.sliding_window, attention_backend, overlap)
+                                  self.sliding_window, attention_backend, overlap, self.causal_prompts)
         self._last_record: _LastRecord | None = None
 
     @property

@@ -38,10 +38,11 @@ class PackedSteps:
     its arrays (``packed_shapes``, ``stage_packed``, ``packed_inputs``)."""
 
     def __init__(self, ints: Staging, floats: Staging, block_size: int, lookahead: int, vocab_size: int,
-                 sliding_window: int | None, attention_backend: str, overlap: bool) -> None:
+                 sliding_window: int | None, attention_backend: str, overlap: bool, causal_prompts: bool) -> None:
         self.ints, self.floats = ints, floats
         self.block_size, self.lookahead, self.vocab_size = block_size, lookahead, vocab_size
         self.sliding_window, self.attention_backend = sliding_window, attention_backend
+        self.causal_prompts = causal_prompts  # mark steps whose rows all start at 0 (``models.attention``)
         self.overlap = overlap  # each result row's carry column is staged too (``StepBatch.result_rows``)
 
     def prepare(self, batch: SchedulerOutput, spec) -> StepBatch:
@@ -113,7 +114,7 @@ class PackedSteps:
         self.ints.upload(ipack.size)
         if fpack.size:
             self.floats.upload(fpack.size)
-        return Staged(ipack, fpack, q, samplers, switches, sched, from_zero=not starts.any())
+        return Staged(ipack, fpack, q, samplers, switches, sched, from_zero=self.causal_prompts and not starts.any())
 
     def views(self, st: Staged, spec) -> StepBatch:
         """Device views of a staged packed step's inputs."""

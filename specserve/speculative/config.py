@@ -58,7 +58,8 @@ class SpeculativeConfig:
         step's cost hardly grows with its rows. None (the default): where the engine runs CUDA graphs, each step
         drafts the tree or the chain of more expected tokens per second, from both steps' costs measured at
         engine start (kept in ``step_cost_file`` where given) and the acceptance each is getting
-        (``speculative/tree_choice.py``); elsewhere steps of more than ``TREE_MAX_BATCH`` rows draft chains.
+        (``speculative/tree_choice.py``); elsewhere, and for a tree of ``max_draft_len`` nodes (as wide as the
+        chain: nothing to weigh), steps of more than ``TREE_MAX_BATCH`` rows draft chains.
 
       draft_len_schedule: TensorRT-LLM's batch-size schedule of the draft length, {batch size: D}: a step of B
         rows drafts the D of the smallest key >= B, and nothing (no speculation) past the largest key. Chains

@@ -16,7 +16,8 @@ chains. Without it (the default, on CUDA graphs), each step drafts whichever pro
   kind is tried early and kept only while its counts bear it out.
 
 A kind left unchosen for ``PROBE_AFTER`` generation steps in a row is drafted once, so that its counts can move;
-each probe that changed nothing doubles the wait, up to ``PROBE_MAX``. A tree of N = D nodes verifies as many
+each probe that changed nothing doubles the wait, up to ``PROBE_MAX``. Steps with prompt tokens neither probe nor
+count towards one (an engine that always has a prompt in flight keeps its estimates until a generation step). A tree of N = D nodes verifies as many
 tokens as the chain: nothing to weigh, the fixed rule decides.
 
 Outputs never depend on the choice: the target decides every token, whatever a step verifies.
