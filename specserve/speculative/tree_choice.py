@@ -17,8 +17,8 @@ chains. Without it (the default, on CUDA graphs), each step drafts whichever pro
 
 A kind left unchosen for ``PROBE_AFTER`` generation steps in a row is drafted once, so that its counts can move;
 each probe that changed nothing doubles the wait, up to ``PROBE_MAX``. Steps with prompt tokens neither probe nor
-count towards one (an engine that always has a prompt in flight keeps its estimates until a generation step). A tree of N = D nodes verifies as many
-tokens as the chain: nothing to weigh, the fixed rule decides.
+count towards one (an engine that always has a prompt in flight keeps its estimates until a generation step). A
+tree of N = D nodes verifies as many tokens as the chain: nothing to weigh, the fixed rule decides.
 
 Outputs never depend on the choice: the target decides every token, whatever a step verifies.
 """
