@@ -30,9 +30,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                transformers eager and static cache + compile; 500 s
   throughput   the 16 chat prompts at batches 1 8 32 64, speculation off and on; 120 s
   trees        the 16 chat prompts at batches 1 8 32 with the chain and draft trees TREES_SHAPES (topk x depth x
-               total: 2x4x7 3x5x7 4x4x12 4x6x24 8x8x48; 7 nodes verify 8 tokens, the most the few-row kernels take;
-               each step the tree or the chain by measured cost, SHAPE:B the tree up to B rows), plain decoding
-               beside them; 580 s
+               total, :B the tree at up to B rows, without it each step the tree or the chain by measured cost:
+               2x4x7:64 3x5x7:64 4x4x12:64 4x6x24:64 4x6x24; 7 nodes verify 8 tokens, the most the few-row kernels
+               take), plain decoding beside them; 580 s
   prefix       PREFIX_PARTS ("ttft shared turns"): ttft: TTFT of random prompts of LENS (512 2048 8000) tokens
                at batch 1, speculation off and on; shared: 16 questions of QUESTION (64) tokens over one document of
                DOC (6144) tokens; turns: 8 four-turn conversations (512-token first prompts, 64 new tokens a turn);
@@ -234,7 +234,7 @@ for st in "$@"; do
                   --batch-size 1 8 32 64 --max-tokens 256 --num-prompts 16 --repeats 3 --out $OUT/throughput \
                   | tail -16 ;;
     trees) need_model && bench "$(lim 580)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 8 32 \
-             --tree ${TREES_SHAPES:-2x4x7 3x5x7 4x4x12 4x6x24 8x8x48} --max-tokens 256 --num-prompts 16 \
+             --tree ${TREES_SHAPES:-2x4x7:64 3x5x7:64 4x4x12:64 4x6x24:64 4x6x24} --max-tokens 256 --num-prompts 16 \
              --repeats 2 --out $OUT/trees | tail -40 ;;
     prefix) need_model || continue
             parts=" ${PREFIX_PARTS:-ttft shared turns} "
