@@ -13,18 +13,11 @@ from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepCosts, load_or_measure_costs
 from specserve.speculative.tree import tree_layout
 from specserve.speculative.tree_choice import CHAIN, TREE, WINDOW, TreeChoice, measurement_tree
-from tiny_models import PROMPTS, make_head, make_hf_model
+from test_tree import _tree_llm as tree_llm, dirs  # noqa: F401 (dirs: test_tree's target and heads)
+from tiny_models import PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 D, N = 4, 12
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree_choice")
-    make_hf_model(root / "target", "llama", initializer_range=0.4, num_hidden_layers=4)
-    make_head(root / "eagle3", root / "target", "eagle3", draft_vocab=150, seed=1)
-    return root
 
 
 def _choice(**kw) -> TreeChoice:
@@ -154,8 +147,8 @@ def test_without_costs_the_fixed_rule_holds_and_the_options_are_a_chain_and_the_
 
 
 def _tree_llm(dirs, n: int = 8, **kw) -> LLM:
-    spec = dict(method="eagle3", draft_model=str(dirs / "eagle3"), max_draft_len=3, topk=3, max_total_draft_tokens=n)
-    return LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=spec, **kw)
+    """test_tree's EAGLE-3 tree engine, depth 3, topk 3, ``n`` nodes."""
+    return tree_llm(dirs, "eagle3", 3, 3, n, **kw)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
