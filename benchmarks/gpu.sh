@@ -34,11 +34,13 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                2x4x7:64 3x5x7:64 4x4x12:64 4x6x24:64 4x6x24; 7 nodes verify 8 tokens, the most the few-row kernels
                take), plain decoding beside them; 580 s
   prefix       PREFIX_PARTS ("ttft shared turns"): ttft: TTFT of random prompts of LENS (512 2048 8000) tokens
-               at batch 1, speculation off and on; shared: 16 questions of QUESTION (64) tokens over one document of
-               DOC (6144) tokens; turns: 8 four-turn conversations (512-token first prompts, 64 new tokens a turn);
-               the last two with prefix caching on and off; 600 s
-  ttftrand     TTFT of random prompts of LENS (2048) tokens at batch 1 on random weights of the default model's
-               shapes (no model to carry), speculation off and on (a random head, FORCED acceptance), 2 rounds; 150 s
+               at batch 1, speculation off and on, each attention backend of BACKENDS (auto); shared: 16
+               questions of QUESTION (64) tokens over one document of DOC (6144) tokens; turns: 8 four-turn
+               conversations (512-token first prompts, 64 new tokens a turn); the last two with prefix caching
+               on and off; 600 s
+  ttftrand     TTFT of random prompts of LENS (2048) tokens at batch 1 (each backend of BACKENDS) on random
+               weights of the default model's shapes (no model to carry), speculation off and on (a random head,
+               FORCED acceptance), 2 rounds; 150 s
   summarize    Spec-Bench-style summarization at batch 1: SUM_N (32) documents of 1-2k tokens built from the
                GPTeacher files' own responses (benchmarks/summarization_prompts.py; .traindata/), 256 new tokens,
                plain and EAGLE-3; 300 s
@@ -239,8 +241,11 @@ for st in "$@"; do
     prefix) need_model || continue
             parts=" ${PREFIX_PARTS:-ttft shared turns} "
             [[ $parts == *" ttft "* ]] && for len in ${LENS:-512 2048 8000}; do  # 8,000: room for 64 new tokens
-              bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len $len --batch-size 1 \
-                --max-tokens 64 --num-prompts 8 --repeats 2 --out $OUT/prefill-$len | tail -8
+              for be in ${BACKENDS:-auto}; do echo "--- $len tokens, attention $be"
+                bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len $len --batch-size 1 \
+                  --max-tokens 64 --num-prompts 8 --repeats 2 --attention-backend $be --out $OUT/prefill-$len-$be \
+                  | tail -8
+              done
             done
             [[ $parts == *" shared "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
               --random-input-len "${QUESTION:-64}" --shared-prefix-len "${DOC:-6144}" --prefix-caching both \
@@ -248,11 +253,12 @@ for st in "$@"; do
             [[ $parts == *" turns "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
               --random-input-len 512 --turns 4 --turn-len 64 --prefix-caching both --batch-size 1 8 --max-tokens 64 \
               --num-prompts 8 --repeats 2 --out $OUT/multi-turn | tail -14 ;;
-    ttftrand) for len in ${LENS:-2048}; do  # no model needed: the default model's shapes, random weights and head
+    ttftrand) for len in ${LENS:-2048}; do for be in ${BACKENDS:-auto}; do  # no model needed: random weights
+                echo "--- $len tokens, attention $be"
                 bench "$(lim 150)" --model random:smollm2-135m --draft random --draft-len 4 --forced-acceptance 2.58 \
                   --ignore-eos --random-input-len $len --batch-size 1 --max-tokens 32 --num-prompts 8 --repeats 2 \
-                  --rounds 2 --out $OUT/ttftrand-$len | tail -8
-              done ;;
+                  --rounds 2 --attention-backend $be --out $OUT/ttftrand-$len-$be | tail -8
+              done; done ;;
     summarize) need_model && python3 benchmarks/summarization_prompts.py $D/gpteacher-*.json --num "${SUM_N:-32}" \
                  --out /tmp/summarize.jsonl && bench "$(lim 300)" --model $M --draft $HEAD --draft-len 4 \
                  --batch-size 1 --prompts /tmp/summarize.jsonl --num-prompts "${SUM_N:-32}" --max-tokens 256 \
