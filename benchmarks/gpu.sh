@@ -37,7 +37,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                at batch 1, speculation off and on, each attention backend of BACKENDS (auto); shared: 16
                questions of QUESTION (64) tokens over one document of DOC (6144) tokens; turns: 8 four-turn
                conversations (512-token first prompts, 64 new tokens a turn); the last two with prefix caching
-               on and off; 600 s
+               on and off; RANDOM_MODEL=1: random weights of the model's shapes and a random head (FORCED
+               acceptance), no parts to carry; 600 s
   ttftrand     TTFT of random prompts of LENS (2048) tokens at batch 1 (each backend of BACKENDS) on random
                weights of the default model's shapes (no model to carry), speculation off and on (a random head,
                FORCED acceptance), 2 rounds; 150 s
@@ -238,19 +239,22 @@ for st in "$@"; do
     trees) need_model && bench "$(lim 580)" --model $M --draft $HEAD --draft-len 4 --batch-size 1 8 32 \
              --tree ${TREES_SHAPES:-2x4x7:64 3x5x7:64 4x4x12:64 4x6x24:64 4x6x24} --max-tokens 256 --num-prompts 16 \
              --repeats 2 --out $OUT/trees | tail -40 ;;
-    prefix) need_model || continue
+    prefix) pm=(--model $M --draft $HEAD)  # RANDOM_MODEL=1: random weights of its shapes, a random head
+            [ -n "${RANDOM_MODEL:-}" ] && pm=(--model random:smollm2-135m --draft random --forced-acceptance 2.58 \
+                                             --ignore-eos)
+            [ -n "${RANDOM_MODEL:-}" ] || need_model || continue
             parts=" ${PREFIX_PARTS:-ttft shared turns} "
             [[ $parts == *" ttft "* ]] && for len in ${LENS:-512 2048 8000}; do  # 8,000: room for 64 new tokens
               for be in ${BACKENDS:-auto}; do echo "--- $len tokens, attention $be"
-                bench "$(lim 100)" --model $M --draft $HEAD --draft-len 4 --random-input-len $len --batch-size 1 \
+                bench "$(lim 100)" "${pm[@]}" --draft-len 4 --random-input-len $len --batch-size 1 \
                   --max-tokens 64 --num-prompts 8 --repeats 2 --attention-backend $be --out $OUT/prefill-$len-$be \
                   | tail -8
               done
             done
-            [[ $parts == *" shared "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
+            [[ $parts == *" shared "* ]] && bench "$(lim 150)" "${pm[@]}" --draft-len 4 \
               --random-input-len "${QUESTION:-64}" --shared-prefix-len "${DOC:-6144}" --prefix-caching both \
               --batch-size 1 8 --max-tokens 64 --num-prompts 16 --repeats 2 --out $OUT/shared-prefix | tail -14
-            [[ $parts == *" turns "* ]] && bench "$(lim 150)" --model $M --draft $HEAD --draft-len 4 \
+            [[ $parts == *" turns "* ]] && bench "$(lim 150)" "${pm[@]}" --draft-len 4 \
               --random-input-len 512 --turns 4 --turn-len 64 --prefix-caching both --batch-size 1 8 --max-tokens 64 \
               --num-prompts 8 --repeats 2 --out $OUT/multi-turn | tail -14 ;;
     ttftrand) for len in ${LENS:-2048}; do for be in ${BACKENDS:-auto}; do  # no model needed: random weights
