@@ -128,6 +128,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # the device machine has no index:
     || exit 1
 fi
 export PYTHONPATH=/tmp/site:${SNAP:-$PWD} PYTHONUNBUFFERED=1  # SNAP: a copy of the tree for long training runs
+# `python3 -m` puts the working directory first on sys.path: with SNAP, only PYTHONPATH may name the code (3.11+)
+[ -n "${SNAP:-}" ] && export PYTHONSAFEPATH=1
 # drop finished progress bars and conversion chatter (a killed run keeps its last bar)
 quiet() { grep -v -e Converting -e "Loading weights" -e "it/s\]" -e "req/s\]" -e "100%|"; }
 tfilter() { tr '\r' '\n' | grep -v -E "(it|step|req)/s\]$" | grep -v -E "^\s*$"; }

@@ -62,7 +62,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule each step after the one before has returned its tokens (default on CUDA with "
                         "graphs: the next step is prepared and launched while the device runs the current one)")
     g.add_argument("--attention-backend", default=e.attention_backend, choices=list(ATTENTION_BACKENDS),
-                   help="paged attention: Triton kernel (CUDA default) or PyTorch SDPA (CPU, reference)")
+                   help="paged attention. auto: the Triton kernel on CUDA (a prompt's first chunk through PyTorch "
+                        "SDPA's causal kernel), SDPA elsewhere; triton: the kernel for every step; sdpa: PyTorch "
+                        "SDPA (the reference)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=e.tensor_parallel_size, metavar="N",
                    help="split the model's attention heads and MLP features over N ranks, one process each (N GPUs; "
                         "gloo processes on the CPU)")
@@ -234,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Python names in engine / sampling errors -> the flags that set them (names not listed: "--" + dashes)
 def _bench_parser(sub) -> None:
+    from specserve.config import ATTENTION_BACKENDS
+
     b = sub.add_parser("bench", help="throughput and latency, speculation on/off, optionally against transformers",
                        formatter_class=_HelpFormatter,
                        description="Generates up to --max-tokens tokens per request (exactly that many with "
@@ -298,6 +302,8 @@ def _bench_parser(sub) -> None:
                    help="the overlap scheduler (on CUDA with graphs); both: each engine with it, then without, "
                         "with the gain at each batch size")
     b.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    b.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="paged attention of every engine: Triton kernel (CUDA default) or PyTorch SDPA")
     b.add_argument("--steps", type=int, nargs="*", default=None, metavar="BATCH",
                    help="also time decode / verify / draft-loop CUDA graphs at these batch sizes (CUDA, speculative)")
     b.add_argument("--steps-context", type=int, default=512, help="context length for --steps")
@@ -319,7 +325,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           trees=a.trees, fixed_draft_lens=a.fixed_draft_lens, adaptive=a.adaptive_draft_len,
                           prefix_caching=a.prefix_caching, shared_prefix_len=a.shared_prefix_len,
                           turns=a.turns, turn_len=a.turn_len,
-                          kv_cache_memory_bytes=a.kv_cache_memory, chat_template=not a.no_chat_template,
+                          kv_cache_memory_bytes=a.kv_cache_memory, attention_backend=a.attention_backend,
+                          chat_template=not a.no_chat_template,
                           command=a.command_line, out=None)
         if a.steps:
             from specserve.bench.run import check_steps

@@ -288,7 +288,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | None = None
     enforce_eager: bool = False  # True: no CUDA graphs (used on CUDA only); steps keep the graphs' padded layouts
     max_cuda_graph_batch_size: int = 128  # larger decode batches run eagerly
-    attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, SDPA elsewhere), "triton", "sdpa"
+    attention_backend: str = "auto"  # "auto" (Triton kernel on CUDA, prompts from 0 through SDPA), "triton", "sdpa"
     # detokenize and report a step while the device runs the next one (``LLMEngine.step``); None: on CUDA
     async_output: bool | None = None
     # schedule and launch step n + 1 before step n's result reaches the host (``LLMEngine.step``); None: on CUDA

@@ -64,6 +64,7 @@ class BenchConfig:
     overlap: str = "on"  # the overlap scheduler: on | off | both (each engine run with it, then without)
     prefix_caching: str = "on"  # automatic prefix caching: on | off | both
     kv_cache_memory_bytes: int | None = None
+    attention_backend: str = "auto"  # every specserve engine's (EngineArgs.attention_backend)
     chat_template: bool = True
     seed: int = 0
     command: str | None = None  # the command line, recorded in the outputs
@@ -188,7 +189,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
               async_output=cfg.async_output, overlap_scheduler=overlap, enable_prefix_caching=caching,
               max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
-              max_cuda_graph_batch_size=max_b)
+              max_cuda_graph_batch_size=max_b, attention_backend=cfg.attention_backend)
     if cfg.kv_cache_memory_bytes:
         kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     depth = cfg.draft_len
@@ -430,7 +431,8 @@ def step_timings(cfg: BenchConfig, batches: list[int], context: int, bandwidth_g
     spec = _spec_config(cfg)
     llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, max_num_seqs=max(batches),
               max_cuda_graph_batch_size=max(batches), speculative_config=spec,
-              kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, max_num_batched_tokens=max(2048, context + 1))
+              kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, max_num_batched_tokens=max(2048, context + 1),
+              attention_backend=cfg.attention_backend)
     out = [step_times(llm, b, context, bandwidth_gbps or copy_bandwidth(dev)) for b in batches]
     del llm
     torch.cuda.empty_cache()

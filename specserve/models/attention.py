@@ -52,13 +52,13 @@ class AttentionMetadata:
         return self._mask
 
 
-def causal_prompts(backend: str, device: torch.device) -> bool:
+def causal_prompts(backend: str) -> bool:
     """Whether steps whose rows all start at position 0 are marked ``from_zero`` (and so take
-    ``causal_prompt_sdpa``) with this backend on this device: the one rule packed steps and one-row prefill graphs
-    (whose key holds the mark) share. The SDPA backend, and "auto" off CUDA; on CUDA the Triton kernel keeps prompts
-    until a GPU has timed the two on prompt chunks (``benchmarks/bench_attention.py --prefill``, which times dense
-    causal SDPA beside the kernel's launches)."""
-    return backend == "sdpa" or (backend == "auto" and device.type != "cuda")
+    ``causal_prompt_sdpa``) with this backend: the one rule packed steps and one-row prefill graphs (whose key holds
+    the mark) share. Every backend but "triton", which keeps every step on the paged kernel: on CUDA, SDPA's flash
+    kernel over the gathered keys prefills a long prompt in a fraction of the paged kernel's time
+    (docs/BENCHMARKS.md, "Long prompts")."""
+    return backend != "triton"
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -160,7 +160,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.sliding_window = model.config.sliding_window
         self.attention_backend = attention_backend
-        self.causal_prompts = causal_prompts(attention_backend, device)  # prompts from 0 take their own kernel
+        self.causal_prompts = causal_prompts(attention_backend)  # prompts from 0 take their own kernel
         self.speculator = speculator
         spec = speculator
         # block-table entries past a row's tokens that a step may write (the draft loop's positions)
