@@ -79,11 +79,14 @@ def test_greedy_output_is_plain_while_the_draft_length_changes(dirs, reference, 
     # graph layouts (run without capture on the CPU) with the overlap scheduler; packed steps without it
     llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, overlap_scheduler=overlap,
               **kw)
+    keys = []
     if overlap:
         from specserve.runner.cuda_graph import CudaGraphs
 
         runner = llm.engine.runner
-        runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+        runner.graphs = graphs = CudaGraphs(16, runner._staging_buffers(), capture=False)  # every batch size
+        run = graphs.run
+        graphs.run = lambda key, *a, **k: keys.append(key) or run(key, *a, **k)
     if spec == "eagle3-oracle":  # drafts that are right twice, then wrong: acceptance that D cuts
         head = OracleHead(refs, llm.engine.model_config.vocab_size, 2).bind(llm.engine.model)
         llm.engine.runner.speculator.drafter.head = head
@@ -91,6 +94,9 @@ def test_greedy_output_is_plain_while_the_draft_length_changes(dirs, reference, 
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     stats = llm.engine.spec_stats
     assert set(chosen) == {0, 1, 2, 3}
+    # a generation graph verifies as many drafts as it drafts: one graph per D (D + 1 of them, not (D + 1)^2)
+    gen = {(layout.rows, layout.q - 1, switches.draft_len) for layout, switches, _ in keys if not layout.prefill}
+    assert all(v == d for _, v, d in gen) and len({d for _, _, d in gen}) > 1 if overlap else not keys
     assert sum(stats.steps_by_draft_len) == sum(n for _, n in stats.draft_len_history) > 0
     if spec == "eagle3-oracle":
         # right twice (but where the reply ends within two drafts): the third is never accepted

@@ -199,7 +199,13 @@ class Speculator(SpeculatorBase):
         ``draft_len`` where given: step-cost measurements)."""
         if draft_len is None:
             draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched))
-        self.step_draft_len = draft_len
+        # where D varies, a step drafts as many as it verifies (at least): its graph is one of the D + 1 that the
+        # engine measured at start, not one of (D + 1)^2 (verified, drafted) pairs, each captured mid-run the first
+        # time a change of D needs it (docs/BENCHMARKS.md, adaptive draft length). After a longer step the drafts
+        # past ``draft_len`` are made and dropped (the host keeps ``next_drafts``); after a shorter one the rows
+        # verify their drafts in a wider layout.
+        widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
+        self.step_draft_len = max(draft_len, widest)
         return draft_len
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
@@ -209,9 +215,9 @@ class Speculator(SpeculatorBase):
 
     def verify_q(self, max_drafts: int) -> int:
         """Tokens a row of a generation step's graph layout takes, for rows of at most ``max_drafts`` drafts: 1 + D,
-        or where the draft length varies, 1 + ``max_drafts`` (a graph per length in use, so that a step that
-        verifies fewer drafts costs less)."""
-        return 1 + max_drafts if self.policy.varies else self.spec.verify_len
+        or where the draft length varies, 1 + the step's own draft length (``plan_step``: at least
+        ``max_drafts``), so that a step that drafts fewer costs less and each D has one graph."""
+        return 1 + max(max_drafts, self.step_draft_len) if self.policy.varies else self.spec.verify_len
 
     def step_switches(self, switches: StepSwitches) -> StepSwitches:
         """A record's switches with this step's draft length (a record restaged for the same rows keeps the
