@@ -71,6 +71,24 @@ def test_bench_rounds_alternate_the_engines_and_report_the_median_round(dirs):
         BenchConfig(rounds=0)
 
 
+def test_bench_reports_graphs_captured_during_timed_runs(dirs, monkeypatch):
+    """A graph captured inside a timed run (one the warm-up did not meet) is in that run's time: the row counts
+    them and the table says so; a run without captures says nothing."""
+    import itertools
+
+    from specserve.bench import run as bench_run
+
+    cfg = dict(model=str(dirs / "target"), speculative="off", num_prompts=2, max_tokens=3, repeats=2, device="cpu",
+               dtype="float32")
+    quiet = run_bench(BenchConfig(**cfg))
+    assert quiet["rows"][0]["timed_captures"] == 0 and "captured during timed runs" not in table(quiet)
+    looks = itertools.count()
+    monkeypatch.setattr(bench_run, "_captured", lambda eng: next(looks))  # one graph more at every look
+    res = run_bench(BenchConfig(**cfg))
+    assert res["rows"][0]["timed_captures"] == 2  # one in each of the two timed runs, none counted for the warm-up
+    assert "CUDA graphs captured during timed runs" in table(res) and "specserve off batch 1: 2" in table(res)
+
+
 def test_bench_overlap_both_runs_each_engine_with_and_without_it(dirs):
     res = run_bench(BenchConfig(model=str(dirs / "target"), speculative="off", overlap="both", num_prompts=2,
                                 max_tokens=4, repeats=1, rounds=2, device="cpu", dtype="float32"))

@@ -50,6 +50,10 @@ def table(result: dict) -> str:
         if k.endswith("_error"):  # a baseline that could not run
             msg = (str(v).splitlines() or [""])[0].replace("|", "/")[:200]
             lines.append(f"| {k[:-len('_error')]} | failed: {msg} | | | | | | | | | | | |")
+    late = [r for r in result["rows"] if r.get("timed_captures")]
+    if late:  # the warm-up did not meet every graph these runs needed: their times include the captures
+        lines += ["", "CUDA graphs captured during timed runs (their times include the captures): "
+                  + "; ".join(f"{r['engine']} {_spec(r)} batch {r['batch']}: {r['timed_captures']}" for r in late)]
     mixed = [r for r in result["rows"] if sum(1 for n in r.get("steps_by_draft_len") or [] if n) > 1]
     if mixed:  # engines whose steps proposed different numbers of drafts (adaptive D; a tree or its chain)
         lines += ["", "| steps by drafts proposed a row: engine | spec | overlap | batch | drafts: steps |",

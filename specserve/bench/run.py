@@ -116,6 +116,11 @@ def tree_config(text: str) -> dict:
     return out
 
 
+def _captured(eng) -> int:
+    """CUDA graphs the engine holds."""
+    return eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -224,7 +229,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
         for r in range(cfg.repeats + 1):  # the first is the warm-up
             eng.spec_stats = SpecStats()
             eng.pool.reset_cache()  # every run computes its prompts afresh (but for what it shares within itself)
-            steps0 = eng.num_steps
+            steps0, graphs0 = eng.num_steps, _captured(eng)
             _sync(dev)
             t0 = time.perf_counter()
             bar.set_postfix_str(f"batch {b}" + (f" run {r}/{cfg.repeats}" if r else " warm-up"))
@@ -234,7 +239,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
             bar.update()
             if r:
                 runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats,
-                                 hit_rate=eng.pool.hit_rate))
+                                 hit_rate=eng.pool.hit_rate, captured=_captured(eng) - graphs0))
         runs.sort(key=lambda x: x["seconds"])
         med = runs[len(runs) // 2]
         outs, st = med["outs"], med["stats"]
@@ -256,7 +261,9 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                    # counted): a lower bound on traffic
                    achieved_weight_gbps=(target_bytes + head_bytes) * med["steps"] / med["seconds"] / 1e9,
                    first_tokens=outs[0].token_ids[:16],
-                   graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0)
+                   graphs=_captured(eng),
+                   # captured inside the timed runs (an eager step and a capture each, in their times)
+                   timed_captures=sum(x["captured"] for x in runs))
         if spec:
             row.update(acceptance_length=st.acceptance_length, per_position_acceptance=st.per_position,
                        draft_len=depth, forced_acceptance=cfg.forced_acceptance,
