@@ -124,6 +124,14 @@ class BlockPool:
             self.hit += len(found)
         return found
 
+    def cached_run(self, keys: list[int]) -> int:
+        """How many of ``keys``, from the first, are registered (``match`` without taking them or counting)."""
+        n = 0
+        if self.caching:
+            while n < len(keys) and keys[n] in self._by_key:
+                n += 1
+        return n
+
     def register(self, block_ids: list[int], keys: list[int]) -> None:
         """Register each block under its key (pairwise; their KV computed); a key already registered keeps its
         block."""

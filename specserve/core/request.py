@@ -38,7 +38,8 @@ class RequestMetrics:
 
     @property
     def queue(self) -> float | None:
-        """Seconds from arrival until the scheduler first ran the request (waiting for a free slot)."""
+        """Seconds from arrival until the scheduler first ran the request, or held it with a slot free for a prefix
+        another request was computing (waiting for a free slot; the hold is the request's own: its TTFT)."""
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property

@@ -172,9 +172,16 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing newer can run either
         if not out.preempted:
+            computing = self._computing() if self.pool.caching and self.waiting else None
+            held = []  # waiting requests that wait for a prefix another request is computing
             while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_computed_tokens == 0 and not req.block_ids:
+                    if computing and self._waits_for_prefix(req, computing):
+                        if req.metrics.first_scheduled_time is None:  # it had a slot: the wait is its own
+                            req.metrics.first_scheduled_time = time.perf_counter()
+                        held.append(self.waiting.popleft())
+                        continue
                     self._take_cached(req)
                 v = self._view(req)
                 n = min(v.need, budget)
@@ -190,7 +197,34 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append(self._entry(req, v, n, len(out.scheduled)))
                 budget -= n
+                if computing is not None:
+                    computing.update(self._uncached_keys(req))
+            self.waiting.extendleft(reversed(held))  # first in line again, in their order
         return out
+
+    def _uncached_keys(self, req: Request) -> list[int]:
+        """Prefix caching: the keys of the request's full blocks of known tokens not registered yet (those it is
+        computing)."""
+        keys = block_keys(req.block_keys, req.token_ids, self.pool.block_size, self.key_after)
+        return keys[req.num_registered:]
+
+    def _computing(self) -> set[int]:
+        """Prefix caching: the keys of the blocks running requests are computing."""
+        out: set[int] = set()
+        for req in self.running:
+            out.update(self._uncached_keys(req))
+        return out
+
+    def _waits_for_prefix(self, req: Request, computing: set[int]) -> bool:
+        """Whether a request starting from nothing should wait: the first of its prompt's blocks that is not
+        cached is one a running request is computing. Admitted now, it would compute that prefix again beside
+        it (many requests over one new document, arriving together); a step or a few later it takes it cached
+        (SGLang schedules by shared prefix for the same reason; vLLM computes it in each)."""
+        bs, after = self.pool.block_size, self.key_after
+        keys = block_keys(req.block_keys, req.token_ids, bs, after)
+        usable = max(0, (req.num_tokens - max(after, 1)) // bs)
+        m = self.pool.cached_run(keys[:usable])
+        return m < usable and keys[m] in computing
 
     def _take_cached(self, req: Request) -> None:
         """Prefix caching: a request starting from nothing takes the cached blocks its tokens begin with (at least
