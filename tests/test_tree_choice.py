@@ -177,6 +177,7 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
     chain, tree = policy.counts
     assert chain.rows > 0 and tree.rows > 0  # observed by kind of step
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert not graphs or runner.graphs.steps > 0  # the graph layouts ran (rows that fit no graph run packed)
 
 
 def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs, tmp_path):
