@@ -303,7 +303,7 @@ def _bench_parser(sub) -> None:
                         "with the gain at each batch size")
     b.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     b.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                   help="paged attention of every engine: Triton kernel (CUDA default) or PyTorch SDPA")
+                   help="paged attention of every engine (as the engines' --attention-backend): auto, triton or sdpa")
     b.add_argument("--steps", type=int, nargs="*", default=None, metavar="BATCH",
                    help="also time decode / verify / draft-loop CUDA graphs at these batch sizes (CUDA, speculative)")
     b.add_argument("--steps-context", type=int, default=512, help="context length for --steps")

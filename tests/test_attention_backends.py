@@ -91,3 +91,11 @@ def test_only_a_prompts_first_chunk_takes_the_causal_kernel(tmp_path, monkeypatc
     assert llm.generate([short], sp)[0].token_ids == ref
     first = next(lay for lay in layouts if lay is not None and lay.prefill)
     assert first.from_zero and first.q == 16 and widths == [16, 16]
+    # a packed step whose dense layout would pad past twice its tokens (one long prompt beside short ones) keeps
+    # the paged path; two prompts of like lengths take the kernel together
+    llm = LLM(str(tmp_path / "target"), device="cpu", dtype="float32", enable_prefix_caching=False)
+    ragged = [prompt] + [{"prompt_token_ids": [7 + i]} for i in range(3)]  # 4 rows x 20 > 2 x 23 tokens
+    refs = [o.token_ids for o in LLM(str(tmp_path / "target"), device="cpu", dtype="float32").generate(ragged, sp)]
+    widths.clear()
+    assert [o.token_ids for o in llm.generate(ragged, sp)] == refs and widths == []
+    assert [o.token_ids for o in llm.generate([prompt, short], sp)] == [whole, ref] and widths == [20, 20]

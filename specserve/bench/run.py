@@ -117,8 +117,8 @@ def tree_config(text: str) -> dict:
 
 
 def _captured(eng) -> int:
-    """CUDA graphs the engine holds."""
-    return eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0
+    """CUDA graphs the engine has captured so far."""
+    return eng.runner.graphs.captures if eng.runner.graphs is not None else 0
 
 
 def _sync(device: torch.device) -> None:
@@ -261,7 +261,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                    # counted): a lower bound on traffic
                    achieved_weight_gbps=(target_bytes + head_bytes) * med["steps"] / med["seconds"] / 1e9,
                    first_tokens=outs[0].token_ids[:16],
-                   graphs=_captured(eng),
+                   graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0,
                    # captured inside the timed runs (an eager step and a capture each, in their times)
                    timed_captures=sum(x["captured"] for x in runs))
         if spec:

@@ -124,11 +124,12 @@ class BlockPool:
             self.hit += len(found)
         return found
 
-    def cached_run(self, keys: list[int]) -> int:
-        """How many of ``keys``, from the first, are registered (``match`` without taking them or counting)."""
-        n = 0
+    def cached_run(self, keys: list[int], limit: int) -> int:
+        """How many of the first ``limit`` ``keys``, from the first, are registered (``match`` without taking them
+        or counting)."""
+        n, limit = 0, min(limit, len(keys))
         if self.caching:
-            while n < len(keys) and keys[n] in self._by_key:
+            while n < limit and keys[n] in self._by_key:
                 n += 1
         return n
 

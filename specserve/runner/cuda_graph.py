@@ -36,6 +36,7 @@ class CudaGraphs:
         self._pool = None
         self._generation: tuple[int, ...] | None = None
         self.steps = 0  # replays (or runs) of a graph layout: each part of a split engine step counts
+        self.captures = 0  # graphs captured so far (never lowered: a moved staging buffer drops the graphs)
 
     def padded_rows(self, rows: int) -> int | None:
         """The smallest captured size >= rows, or None when the batch is too large for a graph."""
@@ -74,6 +75,7 @@ class CudaGraphs:
                 out = step()
             self._pool = graph.pool()
             entry = self._graphs[key] = (graph, out)
+            self.captures += 1
             log.debug("captured CUDA graph %s (%d in all)", key, len(self._graphs))
             if not rerun:
                 return warm

@@ -114,7 +114,10 @@ class PackedSteps:
         self.ints.upload(ipack.size)
         if fpack.size:
             self.floats.upload(fpack.size)
-        return Staged(ipack, fpack, q, samplers, switches, sched, from_zero=self.causal_prompts and not starts.any())
+        # SDPA's dense layout pads every row to the longest: a step that would pad past twice its tokens (one long
+        # prompt beside many short ones) keeps the paged path, whose work and memory follow the real tokens
+        from_zero = self.causal_prompts and not starts.any() and b * q <= 2 * t
+        return Staged(ipack, fpack, q, samplers, switches, sched, from_zero=from_zero)
 
     def views(self, st: Staged, spec) -> StepBatch:
         """Device views of a staged packed step's inputs."""

@@ -172,16 +172,19 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing newer can run either
         if not out.preempted:
-            computing = self._computing() if self.pool.caching and self.waiting else None
-            held = []  # waiting requests that wait for a prefix another request is computing
-            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            computing: set[int] | None = None  # keys of the blocks running requests compute (built when asked)
+            held = []  # waiting requests that wait for a prefix another request is computing, each holding a slot
+            while self.waiting and budget > 0 and len(self.running) + len(held) < self.cfg.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_computed_tokens == 0 and not req.block_ids:
-                    if computing and self._waits_for_prefix(req, computing):
-                        if req.metrics.first_scheduled_time is None:  # it had a slot: the wait is its own
-                            req.metrics.first_scheduled_time = time.perf_counter()
-                        held.append(self.waiting.popleft())
-                        continue
+                    if self.pool.caching and self.running:
+                        if computing is None:
+                            computing = self._computing()
+                        if self._waits_for_prefix(req, computing):
+                            if req.metrics.first_scheduled_time is None:  # it had a slot: the wait is its own
+                                req.metrics.first_scheduled_time = time.perf_counter()
+                            held.append(self.waiting.popleft())
+                            continue
                     self._take_cached(req)
                 v = self._view(req)
                 n = min(v.need, budget)
@@ -223,7 +226,7 @@ class Scheduler:
         bs, after = self.pool.block_size, self.key_after
         keys = block_keys(req.block_keys, req.token_ids, bs, after)
         usable = max(0, (req.num_tokens - max(after, 1)) // bs)
-        m = self.pool.cached_run(keys[:usable])
+        m = self.pool.cached_run(keys, usable)
         return m < usable and keys[m] in computing
 
     def _take_cached(self, req: Request) -> None:

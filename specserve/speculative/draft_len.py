@@ -169,8 +169,8 @@ def expected_tokens(stats: list[SpecStats], prior: SpecStats, max_draft_len: int
 def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int, current: int | None = None) -> int:
     """The D in 0..``allowed`` of most expected tokens per second (``tokens`` [D+1] per step, ``seconds``
     per step); ties go to the shorter D. Where ``current`` (the D of the step before) is allowed, it stays unless
-    another D promises ``SWITCH_GAIN`` more: a step that changes D runs a graph of another (verify width, draft
-    length) pair, captured the first time it is needed, and estimates near a tie would otherwise flip every step."""
+    another D promises ``SWITCH_GAIN`` more: a step after a change of D drafts or verifies as many as the longer of
+    the two (``Speculator.plan_step``), and estimates near a tie would otherwise flip every step."""
     n = min(allowed, len(seconds) - 1, len(tokens) - 1)
     rates = [tokens[d] / seconds[d] for d in range(n + 1)]
     best = 0

@@ -199,11 +199,11 @@ class Speculator(SpeculatorBase):
         ``draft_len`` where given: step-cost measurements)."""
         if draft_len is None:
             draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched))
-        # where D varies, a step drafts as many as it verifies (at least): its graph is one of the D + 1 that the
-        # engine measured at start, not one of (D + 1)^2 (verified, drafted) pairs, each captured mid-run the first
-        # time a change of D needs it (docs/BENCHMARKS.md, adaptive draft length). After a longer step the drafts
-        # past ``draft_len`` are made and dropped (the host keeps ``next_drafts``); after a shorter one the rows
-        # verify their drafts in a wider layout.
+        # where D varies, a step drafts as many as it verifies (at least): a batch size and table width then have
+        # a graph per D (the start-up cost measurement captures those of its batch sizes), not one per (verified,
+        # drafted) pair, each captured mid-run the first time a change of D needs it (docs/BENCHMARKS.md, adaptive
+        # draft length). After a longer step the drafts past ``draft_len`` are made and dropped (the host keeps
+        # ``next_drafts``); after a shorter one the rows verify their drafts in a wider layout.
         widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         self.step_draft_len = max(draft_len, widest)
         return draft_len
