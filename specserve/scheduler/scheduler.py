@@ -223,23 +223,25 @@ class Scheduler:
         cached is one a running request is computing. Admitted now, it would compute that prefix again beside
         it (many requests over one new document, arriving together); a step or a few later it takes it cached
         (SGLang schedules by shared prefix for the same reason; vLLM computes it in each)."""
-        bs, after = self.pool.block_size, self.key_after
-        keys = block_keys(req.block_keys, req.token_ids, bs, after)
-        usable = max(0, (req.num_tokens - max(after, 1)) // bs)
+        keys, usable = self._prompt_keys(req)
         m = self.pool.cached_run(keys, usable)
         return m < usable and keys[m] in computing
 
+    def _prompt_keys(self, req: Request) -> tuple[list[int], int]:
+        """Prefix caching: the request's block keys and how many of them a request starting from nothing may take
+        cached (at least one token is left to compute: the step that computes it samples)."""
+        keys = block_keys(req.block_keys, req.token_ids, self.pool.block_size, self.key_after)
+        return keys, max(0, (req.num_tokens - max(self.key_after, 1)) // self.pool.block_size)
+
     def _take_cached(self, req: Request) -> None:
-        """Prefix caching: a request starting from nothing takes the cached blocks its tokens begin with (at least
-        one token is left to compute: the step that computes it samples)."""
+        """Prefix caching: a request starting from nothing takes the cached blocks its tokens begin with
+        (``_prompt_keys``)."""
         if not self.pool.caching:
             return
-        bs, after = self.pool.block_size, self.key_after
-        keys = block_keys(req.block_keys, req.token_ids, bs, after)
-        usable = max(0, (req.num_tokens - max(after, 1)) // bs)
+        keys, usable = self._prompt_keys(req)
         req.block_ids = self.pool.match(keys[:usable])
         req.num_registered = len(req.block_ids)
-        req.num_computed_tokens = len(req.block_ids) * bs
+        req.num_computed_tokens = len(req.block_ids) * self.pool.block_size
 
     def cache_blocks(self, req: Request) -> None:
         """Prefix caching: register the request's full blocks whose KV is computed and whose key's tokens are
