@@ -42,13 +42,15 @@ class ScheduledRequest:
     after: ScheduledRequest | None = None
     discard: bool = False  # the request finished or was preempted before this row's step was collected
     next_drafts: int = -1  # the drafts its step proposes for the next at most (set at launch; -1: not known)
+    cut: bool = False  # the step's token budget left it fewer drafts than it had: it verifies at most num_drafts
 
     def rebase(self) -> None:
-        """The row it continues has been collected: start and drafts as the request now has them (the device
-        corrected the step's inputs to the same)."""
+        """The row it continues has been collected: start and drafts as the request now has them, at most as many
+        drafts as the budget left it (the device corrected the step's inputs to the same: ``cap``,
+        ``runner/overlap.py``)."""
         req = self.request
         self.start = req.num_computed_tokens
-        self.num_drafts = len(req.spec_token_ids)
+        self.num_drafts = min(len(req.spec_token_ids), self.num_drafts) if self.cut else len(req.spec_token_ids)
         self.num_tokens = req.num_tokens - req.num_computed_tokens + self.num_drafts
         self.after = None
 
@@ -133,7 +135,7 @@ class Scheduler:
     @staticmethod
     def _entry(req: Request, v: RowView, n: int, column: int) -> ScheduledRequest:
         k = v.known - v.computed
-        return ScheduledRequest(req, v.computed, n, n >= k, max(0, n - k), column, v.after)
+        return ScheduledRequest(req, v.computed, n, n >= k, max(0, n - k), column, v.after, cut=n - k < v.drafts)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)  # registered blocks stay cached: it may find them again
@@ -174,9 +176,11 @@ class Scheduler:
         if not out.preempted:
             computing: set[int] | None = None  # keys of the blocks running requests compute (built when asked)
             held = []  # waiting requests that wait for a prefix another request is computing, each holding a slot
+            admitted = 0  # requests admitted from the queue in this step
             while self.waiting and budget > 0 and len(self.running) + len(held) < self.cfg.max_num_seqs:
                 req = self.waiting[0]
-                if req.num_computed_tokens == 0 and not req.block_ids:
+                took = req.num_computed_tokens == 0 and not req.block_ids  # starts from nothing
+                if took:
                     if self.pool.caching and self.running:
                         if computing is None:
                             computing = self._computing()
@@ -188,6 +192,13 @@ class Scheduler:
                     self._take_cached(req)
                 v = self._view(req)
                 n = min(v.need, budget)
+                if n < v.need and admitted:
+                    # only the first request a step admits starts a chunk: the rows of a burst of arrivals then
+                    # all end their prompts, which lets the step run as one prefill graph (``ModelRunner``), and
+                    # this one starts first in the next step
+                    if took:
+                        self._untake_cached(req)
+                    break
                 slots = self._slots(v, n)
                 if not self.pool.try_reserve(req.block_ids, slots):
                     self.pool.free(req.block_ids)  # the cached blocks too: taken again when it fits
@@ -200,6 +211,7 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append(self._entry(req, v, n, len(out.scheduled)))
                 budget -= n
+                admitted += 1
                 if computing is not None:
                     computing.update(self._uncached_keys(req))
             self.waiting.extendleft(reversed(held))  # first in line again, in their order
@@ -232,6 +244,12 @@ class Scheduler:
         cached (at least one token is left to compute: the step that computes it samples)."""
         keys = block_keys(req.block_keys, req.token_ids, self.pool.block_size, self.key_after)
         return keys, max(0, (req.num_tokens - max(self.key_after, 1)) // self.pool.block_size)
+
+    def _untake_cached(self, req: Request) -> None:
+        """A request not admitted after all gives back the blocks ``_take_cached`` gave it (taken again when it
+        is)."""
+        self.pool.free(req.block_ids)
+        req.num_computed_tokens = req.num_registered = 0
 
     def _take_cached(self, req: Request) -> None:
         """Prefix caching: a request starting from nothing takes the cached blocks its tokens begin with
