@@ -39,6 +39,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                conversations (512-token first prompts, 64 new tokens a turn); the last two with prefix caching
                on and off; RANDOM_MODEL=1: random weights of the model's shapes and a random head (FORCED
                acceptance), no parts to carry; 600 s
+  bursts       a burst of short prompts arriving together: 40-token random prompts at batches 8 64 128, 128 new
+               tokens, random weights and head (FORCED acceptance), speculation off and on, one process per tree in
+               TREES (".": this tree; ".old" another commit's copy), REPS (1) times alternating; 150 s each
   ttftrand     TTFT of random prompts of LENS (2048) tokens at batch 1 (each backend of BACKENDS) on random
                weights of the default model's shapes (no model to carry), speculation off and on (a random head,
                FORCED acceptance), 2 rounds; 150 s
@@ -113,7 +116,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn zeroprof ttftrand "
+STAGES+=" prefillattn zeroprof ttftrand bursts "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -293,6 +296,11 @@ for st in "$@"; do
                 --max-tokens 128 --num-prompts 8 --repeats 3 --kv-cache-memory 24000000000 --steps 1 \
                 --out $OUT/scaleall | tail -30 ;;
     steps) steps ;;
+    bursts) for ((r = 1; r <= ${REPS:-1}; r++)); do for tree in ${TREES:-.}; do echo "--- tree $tree, round $r"
+              (cd "$tree" && PYTHONPATH=/tmp/site:$PWD bench "$(lim 150)" --model random:smollm2-135m --draft random \
+                 --draft-len 4 --forced-acceptance 2.58 --ignore-eos --random-input-len 40 --batch-size 8 64 128 \
+                 --max-tokens 128 --num-prompts 16 --repeats 2 --out "$OUT/bursts-$(basename "$PWD")-$r" | tail -12)
+            done; done ;;
     profile) for s in spec plain ${TREE:+tree}; do
                a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
                [ $s = tree ] && a=(--draft random --tree "$TREE")

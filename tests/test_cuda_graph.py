@@ -272,8 +272,8 @@ def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)
 def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
-    """More requests than slots: requests join running ones when slots free. That step runs each new
-    prompt as a one-row prefill layout and the running rows as a generation layout (a prompt longer than
+    """More requests than slots: requests join running ones when slots free. That step runs the new prompts
+    as one prefill layout and the running rows as a generation layout (a prompt longer than
     ``prefill_graph_tokens`` keeps the step packed); greedy and sampled outputs equal packed steps."""
     lengths = (5, 9, 14, 7, 11, 30, 6, 12)
     prompts = [[(5 * i + j) % 50 + 1 for i in range(n)] for j, n in enumerate(lengths)]
@@ -316,13 +316,15 @@ def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
     for joining, n, groups in mixed:
         if 30 in joining:
             assert groups is None
-        else:  # one group per joining prompt, then the running rows together
-            assert [len(g) for g in groups] == [1] * len(joining) + [n - len(joining)], (joining, groups)
+        else:  # the running rows together, then the joining prompts together in one prefill layout
+            assert [len(g) for g in groups] == [n - len(joining), len(joining)], (joining, groups)
     if SPECS[spec] is None:  # without drafts the first two requests end in the same step
         assert any(len(j) == 2 and g is not None for j, _, g in mixed)
     # every part of a split step ran in a graph layout
     assert len(split_layouts) == sum(len(g) for _, _, g in mixed if g is not None)
     assert all(lay is not None for lay in split_layouts)
+    if SPECS[spec] is None:  # the two prompts that joined together ran as one two-row prefill layout
+        assert any(lay.prefill and lay.rows == 2 for lay in split_layouts)
 
 
 def test_prefill_layout_keeps_padding_positions_inside_the_context(dirs):

@@ -54,7 +54,7 @@ class AttentionMetadata:
 
 def causal_prompts(backend: str) -> bool:
     """Whether steps whose rows all start at position 0 are marked ``from_zero`` (and so take
-    ``causal_prompt_sdpa``) with this backend: the one rule packed steps and one-row prefill graphs (whose key holds
+    ``causal_prompt_sdpa``) with this backend: the one rule packed steps and prefill graphs (whose key holds
     the mark) share. Every backend but "triton", which keeps every step on the paged kernel: on CUDA, SDPA's flash
     kernel over the gathered keys prefills a long prompt in a fraction of the paged kernel's time
     (docs/BENCHMARKS.md, "Long prompts")."""

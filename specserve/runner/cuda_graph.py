@@ -1,7 +1,7 @@
 """CUDA graphs for generation steps: one captured graph per (layout, variant), replayed every step.
 
 A *layout* (``GraphLayout``) fixes every shape of a step: rows padded to a captured batch size, tokens per
-row (1, 1 + D when verifying drafts, or a one-row prefill's power of two), block-table width. A *variant*
+row (1, 1 + D when verifying drafts, or a prefill's power of two), block-table width. A *variant*
 holds the host-known switches a step's code takes (all greedy, top-k/p filtering, the relaxed-acceptance
 window), so a replay runs exactly the kernels an eager step would. The runner uploads a step's inputs into
 staging buffers whose device addresses depend only on the layout; the captured graph reads them there.

@@ -51,9 +51,9 @@ class GraphLayout:
     """The fixed shape of a CUDA-graph step (``ModelRunner.graph_layout``)."""
 
     rows: int  # batch size, padded up to a captured size
-    q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a one-row prefill's padded token count
+    q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a prefill's padded token count
     table_width: int  # block-table entries per row (covers max_model_len)
-    prefill: bool = False  # a one-row prefill (``_prefill_layout``), not a generation step, whatever q is
+    prefill: bool = False  # rows ending their prompts (``_prefill_layout``), not a generation step, whatever q is
     from_zero: bool = False  # that prefill is a whole prompt, from position 0 (``AttentionMetadata.from_zero``)
 
 
@@ -71,9 +71,9 @@ class _LastRecord:
 
 
 def prefill_q(n: int) -> int:
-    """Tokens of the one-row prefill graph that runs a prompt's last n tokens: a power of two of at least 16 up to
-    512, past it also three quarters of one (768, 1536, 3072, ...), so that at most a third of a long prompt's
-    graph is padding while a handful of graphs serve every length."""
+    """Tokens a row of a prefill graph takes for a prompt's last n tokens: a power of two of at least 16 up to 512,
+    past it also three quarters of one (768, 1536, 3072, ...), so that at most a third of a long prompt's graph is
+    padding while a handful of graphs serve every length."""
     q = max(16, 1 << (n - 1).bit_length())
     return q // 4 * 3 if q > 512 and n <= q // 4 * 3 else q
 
@@ -88,7 +88,7 @@ class ModelRunner:
     max_split_prefills = 8
 
     def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
-        """The CUDA-graph layout of a generation step (or of a one-row prefill), or None to run eagerly. In a
+        """The CUDA-graph layout of a generation step (or of rows ending their prompts), or None to run eagerly. In a
         generation step every row samples after one known token, verifying its drafts (1 + D tokens per
         row; rows with fewer drafts, near their end, pad)."""
         if self.graphs is None:
@@ -104,33 +104,53 @@ class ModelRunner:
         return s.sample and s.num_tokens - s.num_drafts == 1
 
     def _split(self, batch: SchedulerOutput) -> list[list[int]] | None:
-        """Row groups of a step that no one graph fits (``graph_layout`` is None) but graphs do: each row
-        that ends its prompt alone (``_prefill_layout``), then the generation rows together; None to run the
-        step as it is. Only with generation rows in the step: a step of prompts alone (a burst of arrivals)
-        stays one packed step."""
+        """Row groups of a step that no one graph fits (``graph_layout`` is None) but graphs do: the generation
+        rows together, and the rows that end their prompts together in one prefill layout (or, where their
+        padding would be too much, each alone); None to run the step as it is. Only with generation rows in
+        the step: a step of prompts alone (a burst of arrivals) is one prefill layout or one packed step."""
         if self.graphs is None or len(batch.scheduled) < 2:
             return None
         gen, pre = [], []
         for i, s in enumerate(batch.scheduled):
             (gen if self._generation_row(s) else pre).append(i)
-        if not gen or len(pre) > self.max_split_prefills or self.graphs.padded_rows(len(gen)) is None:
+        if not gen or self.graphs.padded_rows(len(gen)) is None:
             return None
-        if any(self._prefill_layout(SchedulerOutput([batch.scheduled[i]])) is None for i in pre):
+        groups = self._prefill_groups(batch, pre)
+        return None if groups is None else [gen] + [rows for rows, _ in groups]
+
+    def _prefill_groups(self, batch: SchedulerOutput, pre: list[int]) -> list[tuple[list[int], GraphLayout]] | None:
+        """The rows ``pre`` of a step (each ending its prompt) as prefill graphs: one layout for all, else one per
+        row (at most ``max_split_prefills``) -> (rows, layout) groups, or None where they fit no graphs."""
+        together = self._prefill_layout(SchedulerOutput([batch.scheduled[i] for i in pre]))
+        if together is not None:
+            return [(pre, together)]
+        if len(pre) > self.max_split_prefills:
             return None
-        return [[i] for i in pre] + [gen]
+        one = [self._prefill_layout(SchedulerOutput([batch.scheduled[i]])) for i in pre]
+        return None if any(lay is None for lay in one) else [([i], lay) for i, lay in zip(pre, one)]
 
     def _prefill_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
-        """One row whose step ends its prompt (it samples) in at most ``prefill_graph_tokens`` tokens: a graph
-        of ``prefill_q`` tokens, the padding tokens writing only the pad block. An eager step costs about one
-        host launch per kernel, 14 ms for the default model on the GPU machine, far more than the padding;
-        batches of several rows with prompt tokens stay eager."""
-        if len(batch.scheduled) != 1:
+        """Rows that all end their prompts (they sample, none drafts, none is a generation row), each in at most
+        ``prefill_graph_tokens`` tokens: a graph of ``prefill_q`` tokens a row (the longest row's), the padding
+        tokens writing only the pad block. Several rows (a burst of arrivals, or prompts joining running requests)
+        only where the padded layout holds at most twice their tokens or at most ``prefill_graph_tokens``: an
+        eager step costs about one host launch per kernel, 14 ms for the default model on the GPU machine, far
+        more than that padding."""
+        sched = batch.scheduled
+        # a generation row takes a generation layout (where the device corrects a row continuing the step in flight,
+        # and a speculative row verifies and drafts as a generation row)
+        if not sched or any(not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens
+                            or s.after is not None or self._generation_row(s) for s in sched):
             return None
-        s = batch.scheduled[0]
-        q = prefill_q(s.num_tokens)
-        if not s.sample or s.num_drafts or s.num_tokens > self.prefill_graph_tokens or q > self.max_graph_q:
+        q = prefill_q(max(s.num_tokens for s in sched))
+        if q > self.max_graph_q:
             return None
-        return self._layout(batch, q, prefill=True, from_zero=s.start == 0 and self.causal_prompts)
+        if len(sched) > 1:
+            rows = self.graphs.padded_rows(len(sched))
+            if rows is None or rows * q > max(2 * batch.total_tokens, self.prefill_graph_tokens):
+                return None
+        return self._layout(batch, q, prefill=True,
+                            from_zero=self.causal_prompts and all(s.start == 0 for s in sched))
 
     def _layout(self, batch: SchedulerOutput, q: int, prefill: bool = False,
                 from_zero: bool = False) -> GraphLayout | None:
@@ -364,10 +384,7 @@ class ModelRunner:
             return None if any(batch.scheduled[i].after is not None for i in gen) else [(every, None)]
         pre = [i for i in every if i not in set(gen)]
         groups = [(gen, self.graph_layout(SchedulerOutput([batch.scheduled[i] for i in gen])))] if gen else []
-        one = [self._prefill_layout(SchedulerOutput([batch.scheduled[i]])) for i in pre]
-        if len(pre) <= self.max_split_prefills and all(lay is not None for lay in one):
-            return groups + [([i], lay) for i, lay in zip(pre, one)]
-        return groups + [(pre, None)]
+        return groups + (self._prefill_groups(batch, pre) or [(pre, None)])
 
     def _launch_overlap(self, batch: SchedulerOutput) -> Launched:
         """Queue a step whose rows may continue the step in flight (``overlap_groups``); every group writes its
