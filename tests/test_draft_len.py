@@ -15,8 +15,8 @@ import pytest
 
 from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.core.metrics import SpecStats
-from specserve.speculative.draft_len import (AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
-                                             cost_buckets, engine_rates, expected_tokens)
+from specserve.speculative.draft_len import (CAPTURE_GAIN, AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
+                                             cost_buckets, engine_rates, expected_tokens, prefer_captured)
 from accept_helpers import chi2_critical, chi2_homogeneity, make_small_vocab, sample_replies
 from test_overlap import OracleHead, _llm
 from tiny_models import PROMPTS, make_head, make_target_and_eagle3
@@ -61,7 +61,7 @@ def _random_lengths(llm: LLM, seed: int) -> list[int]:
     d = policy.max_draft_len
     first = [0, d, 1, d, 0, 0, d, d, 2 % (d + 1)]
 
-    def choose(requests, generation=False):
+    def choose(requests, generation=False, captured=None):
         chosen.append(first[len(chosen)] if len(chosen) < len(first) else rng.randint(0, d))
         return chosen[-1]
 
@@ -238,6 +238,27 @@ def _run_policy(policy: DraftLenPolicy, requests: list, period: list[float], ste
     return chosen
 
 
+def test_a_draft_length_without_a_graph_must_promise_more_than_a_capture_costs():
+    """While another D has its graph for the step, a D without one (a capture mid-run, ~0.1 s on the GPU machine)
+    is taken only where it promises CAPTURE_GAIN more tokens per second; with no graph at all the best D is taken."""
+    tokens = np.array([1.0, 1.1, 1.2, 1.3])
+    seconds = [1.0] * 4
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 3) == 3
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 1) == 1  # 1.3 < 1.1 * 1.25
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d in (0, 1, 2)) == 2
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 0) == 3  # 1.3 > 1.0 * (1 + CAPTURE_GAIN)
+    assert 1.3 > 1.0 * (1 + CAPTURE_GAIN) > 1.3 / 1.1
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: False) == 3
+    assert prefer_captured(tokens, seconds, 2, 2, lambda d: d == 3) == 2  # past the cap: not a choice
+    # through the policy: the measured costs' choice (D = 3) gives way to the captured D = 2
+    costs = StepCosts([128], [[1.4e-3, 1.6e-3, 1.8e-3, 2.0e-3, 2.3e-3]])
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
+    rows = [_Req([], [])] * 100
+    assert DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior).choose(rows) == 3
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
+    assert p.choose(rows, captured=lambda d: d in (2, 4)) == 2
+
+
 def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypatch):
     """The case the H100 showed at 128 rows: start-up costs (graph replays) ranked D = 3 first, but the engine was
     host-bound and its real periods ranked D = 4 first (1.5x D = 3). Observed periods raise each D's estimate as it
@@ -405,6 +426,41 @@ def test_a_head_that_never_accepts_stops_drafting(dirs, reference):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
         last = llm.engine.spec_stats.draft_len_history[-1]
         assert last[0] == expect, llm.engine.spec_stats.draft_len_history
+
+
+def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, monkeypatch):
+    """The runner tells the policy which D have their step's graph (layouts run, without capture on the CPU): with
+    a capture made to cost more than any gain, every step where some D has one takes such a D; greedy outputs
+    are plain's."""
+    import specserve.speculative.draft_len as draft_len
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    prompts, ref, refs = reference
+    monkeypatch.setattr(draft_len, "CAPTURE_GAIN", 1e9)
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    policy = llm.engine.draft_policy
+    policy.costs = StepCosts([8], [[1.0, 1.1, 1.2, 1.3]])  # the oracle's 2 right drafts: D = 2 the best
+    policy.timed = False  # the estimates stay as set (no periods observed)
+    llm.engine.runner.speculator.drafter.head = OracleHead(refs, llm.engine.model_config.vocab_size, 2).bind(
+        llm.engine.model)
+    calls, choose = [], policy.choose
+
+    def spy(requests, generation=False, captured=None):
+        if len(calls) == 6:  # now D = 1 is the best by far, but its steps' layouts have no graphs
+            policy.live = StepCosts([8], [[1.0, 1.0, 5.0, 5.0]])
+        d = choose(requests, generation, captured)
+        if captured is not None:
+            calls.append((d, [captured(k) for k in range(policy.max_draft_len + 1)]))
+        return d
+
+    policy.choose = spy
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert len(calls) > 10 and all(have[d] for d, have in calls if any(have))
+    # steps where the best, D = 1, had no graph and another D had one (which they took)
+    assert any(not have[1] and any(have) for _, have in calls[7:])
 
 
 def test_draft_length_settings_are_checked():

@@ -123,8 +123,8 @@ def test_a_tree_of_depth_many_nodes_still_drafts_a_tree(dirs):
     spec, topks = llm.engine.runner.speculator, []
     plan = spec.plan_step
 
-    def spy(sched, draft_len=None):
-        out = plan(sched, draft_len)
+    def spy(sched, draft_len=None, captured=None):
+        out = plan(sched, draft_len, captured)
         topks.append(spec.step_topk)
         return out
 

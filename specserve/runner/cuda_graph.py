@@ -37,10 +37,16 @@ class CudaGraphs:
         self._generation: tuple[int, ...] | None = None
         self.steps = 0  # replays (or runs) of a graph layout: each part of a split engine step counts
         self.captures = 0  # graphs captured so far (never lowered: a moved staging buffer drops the graphs)
+        self._layouts: set = set()  # layouts with a graph (without capture: layouts run)
 
     def padded_rows(self, rows: int) -> int | None:
         """The smallest captured size >= rows, or None when the batch is too large for a graph."""
         return next((s for s in self.sizes if s >= rows), None)
+
+    def has(self, layout) -> bool:
+        """Whether a graph of ``layout`` is captured (for some host switches), so that a step in it costs no
+        capture; without capture, whether a step ran in it."""
+        return layout in self._layouts
 
     @property
     def num_captured(self) -> int:
@@ -57,10 +63,12 @@ class CudaGraphs:
         its outputs are returned."""
         self.steps += 1
         if not self.capture:
+            self._layouts.add(key[0])
             return step()
         gen = tuple(s.generation for s in self._staging)
         if gen != self._generation:  # a staging buffer moved: graphs would read stale addresses
             self._graphs.clear()
+            self._layouts.clear()
             self._pool = None  # freed with its last graph; capturing into it again trips the allocator
             self._generation = gen
         entry = self._graphs.get(key)
@@ -75,6 +83,7 @@ class CudaGraphs:
                 out = step()
             self._pool = graph.pool()
             entry = self._graphs[key] = (graph, out)
+            self._layouts.add(key[0])
             self.captures += 1
             log.debug("captured CUDA graph %s (%d in all)", key, len(self._graphs))
             if not rerun:

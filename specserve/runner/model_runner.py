@@ -160,12 +160,23 @@ class ModelRunner:
         rows = self.graphs.padded_rows(len(batch.scheduled))
         if rows is None:
             return None
+        return GraphLayout(rows, q, self._table_width(batch.scheduled), prefill, from_zero)
+
+    def _table_width(self, sched) -> int:
         la = self.table_lookahead
-        need = max(cdiv(s.start + s.num_tokens + la, self.block_size) for s in batch.scheduled)
+        need = max(cdiv(s.start + s.num_tokens + la, self.block_size) for s in sched)
         width = min(self.graph_table_width, 1 << max(need, cdiv(256, self.block_size)).bit_length() - 1)
         if width < need:
             width = min(self.graph_table_width, width * 2)
-        return GraphLayout(rows, q, max(width, need), prefill, from_zero)
+        return max(width, need)
+
+    def _has_generation_graph(self, batch: SchedulerOutput, drafts: int) -> bool:
+        """Whether a generation step of these rows verifying and drafting ``drafts`` a row has a graph already (for
+        the draft length's choice: a step without one costs a capture)."""
+        if self.graphs is None or not all(self._generation_row(s) for s in batch.scheduled):
+            return False
+        rows = self.graphs.padded_rows(len(batch.scheduled))
+        return rows is not None and self.graphs.has(GraphLayout(rows, 1 + drafts, self._table_width(batch.scheduled)))
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
@@ -325,7 +336,8 @@ class ModelRunner:
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites).
         ``draft_len``: the drafts the step proposes, instead of the speculator's choice (step-cost measurements)."""
         if self.speculator is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
-            most = self.speculator.plan_step(batch.scheduled, draft_len)
+            most = self.speculator.plan_step(batch.scheduled, draft_len,
+                                             lambda d: self._has_generation_graph(batch, d))
             for s in batch.scheduled:
                 s.next_drafts = most
         if self.overlap:

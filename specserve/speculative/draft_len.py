@@ -13,7 +13,9 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   period (from one choice to the next) then moves its (rows, D) estimate towards what the engine really pays; a D
   not run keeps its lower estimate, so it is tried once the one in use has grown past it (``observe``). After
   ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover (the
-  wait doubling after each probe that changed nothing, up to ``PROBE_MAX``);
+  wait doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
+  and another D already has its graph, a D without one must promise ``CAPTURE_GAIN`` more (``prefer_captured``):
+  a batch draining through its batch sizes would otherwise capture graphs mid-run that it never repays;
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -54,6 +56,10 @@ SWITCH_GAIN = 0.02
 OBSERVE_WEIGHT = 0.25
 OBSERVE_CLIP = 1.5
 OBSERVE_DROP = 8.0
+# a D whose step has no CUDA graph yet costs a capture (an eager step, then the capture: about 0.1 s on the GPU
+# machine, a hundred steps or more), which a batch draining through its batch sizes may never repay: while another
+# D has its graph for the step, a D without one is taken only where it promises this much more tokens per second
+CAPTURE_GAIN = 0.25
 # after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
 # verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start. Each
 # probe that leaves the rule at D = 0 doubles the wait, up to PROBE_MAX steps (a head that never pays, e.g. on
@@ -182,6 +188,22 @@ def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int, curre
     return best
 
 
+def prefer_captured(tokens: np.ndarray, seconds: list[float], allowed: int, best: int,
+                    captured: Callable[[int], bool]) -> int:
+    """``best`` (``best_draft_len``'s choice), or where its step has no graph yet (``captured(D)``: whether D's has)
+    the D of most expected tokens per second among those that have one, unless ``best`` promises ``CAPTURE_GAIN``
+    more."""
+    if captured(best):
+        return best
+    n = min(allowed, len(seconds) - 1, len(tokens) - 1)
+    have = [d for d in range(n + 1) if captured(d)]
+    if not have:
+        return best
+    rate = [tokens[d] / seconds[d] for d in range(n + 1)]
+    alt = max(have, key=lambda d: (rate[d], -d))
+    return best if rate[best] > rate[alt] * (1 + CAPTURE_GAIN) else alt
+
+
 @dataclass
 class _TokensMemo:
     """The last expected tokens (``DraftLenPolicy._expected_tokens``) and what they were computed from."""
@@ -296,15 +318,18 @@ class DraftLenPolicy:
                 return min(d, self.max_draft_len)
         return 0
 
-    def choose(self, requests: list, generation: bool = False) -> int:
+    def choose(self, requests: list, generation: bool = False, captured: Callable[[int], bool] | None = None) -> int:
         """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
-        verifies and samples (no prompt tokens)."""
+        verifies and samples (no prompt tokens); ``captured(D)``: whether the step has its graph with D drafts
+        (``prefer_captured``; None: no graph step)."""
         now = time.perf_counter()
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
             tokens = self._expected_tokens([r.spec_stats for r in requests])
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
+            if captured is not None:
+                best = prefer_captured(tokens, seconds, d, best, captured)
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
                 self.probe_after = PROBE_AFTER

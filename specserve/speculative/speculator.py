@@ -19,6 +19,7 @@ Nothing here knows which head it runs.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 import torch
@@ -194,17 +195,19 @@ class Speculator(SpeculatorBase):
         """Rows of a step's result: accepted count, D + 1 emitted tokens, D drafts."""
         return 2 * self.draft_len + 2
 
-    def plan_step(self, sched, draft_len: int | None = None) -> int:
+    def plan_step(self, sched, draft_len: int | None = None, captured: Callable[[int], bool] | None = None) -> int:
         """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
-        ``draft_len`` where given: step-cost measurements)."""
+        ``draft_len`` where given: step-cost measurements). ``captured(s)``: whether the step's graph exists when it
+        verifies and drafts s a row."""
+        widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         if draft_len is None:
-            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched))
+            has = None if captured is None else lambda d: captured(max(d, widest))
+            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), has)
         # where D varies, a step drafts as many as it verifies (at least): a batch size and table width then have
         # a graph per D (the start-up cost measurement captures those of its batch sizes), not one per (verified,
         # drafted) pair, each captured mid-run the first time a change of D needs it (docs/BENCHMARKS.md, adaptive
         # draft length). After a longer step the drafts past ``draft_len`` are made and dropped (the host keeps
         # ``next_drafts``); after a shorter one the rows verify their drafts in a wider layout.
-        widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         self.step_draft_len = max(draft_len, widest)
         return draft_len
 

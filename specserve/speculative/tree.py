@@ -101,10 +101,11 @@ class TreeSpeculator(SpeculatorBase):
         """Rows of a step's result: accepted count, D + 1 emitted tokens, N node tokens, N parents."""
         return 2 + self.draft_len + 2 * self.num_nodes
 
-    def plan_step(self, sched, draft_len: int | None = None) -> int:
+    def plan_step(self, sched, draft_len: int | None = None, captured=None) -> int:
         """Whether a step drafts the tree or a chain (a tree of one child a node, whose next verify step takes
         1 + D tokens a row): ``TreeChoice``'s choice, or ``draft_len`` where a caller chooses (N: the tree, D: a
-        chain) -> the drafts it proposes a row at most."""
+        chain) -> the drafts it proposes a row at most. (``captured``, which graphs exist, is not part of that
+        choice yet: a switch between tree and chain captures its graph the first time.)"""
         if draft_len is None:
             self.policy.choose([s.request for s in sched], self.generation_step(sched))
             tree = self.policy.kind == TREE
