@@ -271,6 +271,32 @@ def test_one_row_prefill_runs_in_a_padded_layout_and_equals_packed(dirs, spec):
 
 
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)
+def test_a_burst_of_prompts_runs_as_one_prefill_layout_and_equals_packed(dirs, spec):
+    """Seven prompts of 3-30 tokens arriving together: one prefill layout of 8 rows (a padding row) and 32 tokens a
+    row, from position 0 (SDPA's causal path); greedy and sampled outputs equal packed steps."""
+    lengths = (5, 9, 14, 7, 11, 30, 3)
+    prompts = [[(5 * i + j) % 50 + 1 for i in range(n)] for j, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=9, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs, layouts = {}, []
+    for padded in (False, True):
+        llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", max_num_seqs=8, enable_prefix_caching=False,
+                  speculative_config=None if SPECS[spec] is None else
+                  dict(SPECS[spec], draft_model=str(dirs / SPECS[spec]["draft_model"])))
+        runner = llm.engine.runner
+        if padded:
+            runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+            pick = runner.graph_layout
+            runner.graph_layout = lambda batch: layouts.append(pick(batch)) or layouts[-1]
+        outs[padded] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert outs[True] == outs[False]
+    first = layouts[0]
+    assert (first.rows, first.q, first.prefill, first.from_zero) == (8, 32, True, True), first
+
+
+@pytest.mark.parametrize("spec", list(SPECS), ids=str)
 def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
     """More requests than slots: requests join running ones when slots free. That step runs the new prompts
     as one prefill layout and the running rows as a generation layout (a prompt longer than

@@ -429,9 +429,9 @@ def test_a_head_that_never_accepts_stops_drafting(dirs, reference):
 
 
 def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, monkeypatch):
-    """The runner tells the policy which D have their step's graph (layouts run, without capture on the CPU): with
-    a capture made to cost more than any gain, every step where some D has one takes such a D; greedy outputs
-    are plain's."""
+    """The runner tells the policy which D have their step's graph (here the layouts run, as if captured): with a
+    capture made to cost more than any gain, every step where some D has one takes such a D; greedy outputs are
+    plain's. Without capture (enforce_eager) no step costs a capture: the policy's own choice stands."""
     import specserve.speculative.draft_len as draft_len
     from specserve.runner.cuda_graph import CudaGraphs
 
@@ -440,7 +440,8 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
     llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
     runner = llm.engine.runner
-    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    runner.graphs = graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    graphs.has = lambda layout: layout in graphs._layouts  # as if each layout run had been captured: the others cost
     policy = llm.engine.draft_policy
     policy.costs = StepCosts([8], [[1.0, 1.1, 1.2, 1.3]])  # the oracle's 2 right drafts: D = 2 the best
     policy.timed = False  # the estimates stay as set (no periods observed)
@@ -461,6 +462,7 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert len(calls) > 10 and all(have[d] for d, have in calls if any(have))
     # steps where the best, D = 1, had no graph and another D had one (which they took)
     assert any(not have[1] and any(have) for _, have in calls[7:])
+    assert CudaGraphs(8, runner._staging_buffers(), capture=False).has(None)
 
 
 def test_draft_length_settings_are_checked():

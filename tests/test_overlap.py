@@ -135,7 +135,7 @@ def test_overlap_equals_synchronous_steps_at_small_batches(dirs, spec, n):
     _compare(dirs, spec, n)
 
 
-@pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3"])
+@pytest.mark.parametrize("spec", ["no-spec", "eagle3-d3", "mtp_eagle-d2", "eagle3-tree-k2-d3-n6"])
 def test_a_budget_that_cuts_drafts_keeps_greedy_outputs(dirs, spec):
     """A 7-token budget cuts rows' drafts. Which rows it cuts depends on the schedule, and the overlap scheduler's
     differs (it schedules a request that the running step is about to end), so draft counts may differ; greedy

@@ -46,25 +46,42 @@ def test_pool_reserve_free_and_reserved_padding_block():
 
 
 def test_chunked_prefill_and_decode_share_a_step():
-    """A request admitted beside another that the step admitted waits rather than start a chunk (a burst's rows
-    then all end their prompts); next step it is the first admitted and takes a chunk beside the decode."""
     pool = BlockPool(64, 4)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=10), pool)
-    a, b, c = req("a", 3), req("b", 25), req("c", 2)
+    a, b = req("a", 3), req("b", 25)
     s.add(a)
     s.add(b)
-    s.add(c)
-    out = s.schedule()  # b would be cut to 7 tokens beside a: it waits, and so does c behind it
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [("a", 0, 3, True)]
-    assert not b.block_ids and b.num_computed_tokens == 0
+    out = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
+        ("a", 0, 3, True), ("b", 0, 7, False)]
     apply(s, out, [100])
-    out = s.schedule()  # a decodes one token; b starts its prompt with the rest of the budget
+    out = s.schedule()  # a decodes one token; b continues its prompt with the rest of the budget
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
-        ("a", 3, 1, True), ("b", 0, 9, False)]
+        ("a", 3, 1, True), ("b", 7, 9, False)]
+
+
+def test_with_whole_prompts_together_only_a_steps_first_admission_starts_a_chunk():
+    """(Set where CUDA graphs are captured.) A request that a step would cut beside another it admitted waits,
+    taking nothing from the prefix cache; next step it is the first admitted and takes a chunk beside the decode."""
+    pool = BlockPool(64, 4, caching=True)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=10, whole_prompts_together=True), pool)
+    first = req("first", 9)
+    s.add(first)
+    apply(s, s.schedule(), [100])  # its two full blocks are cached now
+    s.cache_blocks(first)
+    s.finish(first)
+    a, b, c = req("a", 3), req("b", 25), req("c", 2)  # b begins with first's 9 tokens: 8 of them cached
+    for r in (a, b, c):
+        s.add(r)
+    queried, hits = pool.queried, pool.hit
+    out = s.schedule()  # b would be cut to 7 of its 17 uncached tokens beside a: it waits, and so does c behind it
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [("a", 0, 3, True)]
+    assert not b.block_ids and b.num_computed_tokens == 0 and (pool.queried, pool.hit) == (queried, hits)
     apply(s, out, [101])
-    out = s.schedule()  # b goes on as a running request, before c (the budget is spent)
+    out = s.schedule()  # a decodes one token; b takes its cached blocks and a chunk with the rest of the budget
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
-        ("a", 4, 1, True), ("b", 9, 9, False)]
+        ("a", 3, 1, True), ("b", 8, 9, False)]
+    assert pool.hit > hits
 
 
 def test_lookahead_slots_are_reserved_for_sampling_requests():

@@ -37,16 +37,18 @@ class CudaGraphs:
         self._generation: tuple[int, ...] | None = None
         self.steps = 0  # replays (or runs) of a graph layout: each part of a split engine step counts
         self.captures = 0  # graphs captured so far (never lowered: a moved staging buffer drops the graphs)
-        self._layouts: set = set()  # layouts with a graph (without capture: layouts run)
+        self._layouts: set = set()  # layouts with a graph (without capture: layouts run, which tests read)
 
     def padded_rows(self, rows: int) -> int | None:
         """The smallest captured size >= rows, or None when the batch is too large for a graph."""
         return next((s for s in self.sizes if s >= rows), None)
 
     def has(self, layout) -> bool:
-        """Whether a graph of ``layout`` is captured (for some host switches), so that a step in it costs no
-        capture; without capture, whether a step ran in it."""
-        return layout in self._layouts
+        """Whether a step in ``layout`` costs no capture: a graph of it is captured (for some host switches) and
+        the staging buffers have not moved since; without capture, always."""
+        if not self.capture:
+            return True
+        return layout in self._layouts and tuple(s.generation for s in self._staging) == self._generation
 
     @property
     def num_captured(self) -> int:

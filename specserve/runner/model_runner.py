@@ -10,7 +10,7 @@ reads a device value.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +54,7 @@ class GraphLayout:
     q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a prefill's padded token count
     table_width: int  # block-table entries per row (covers max_model_len)
     prefill: bool = False  # rows ending their prompts (``_prefill_layout``), not a generation step, whatever q is
-    from_zero: bool = False  # that prefill is a whole prompt, from position 0 (``AttentionMetadata.from_zero``)
+    from_zero: bool = False  # that prefill's rows are whole prompts, from position 0 (``AttentionMetadata.from_zero``)
 
 
 @dataclass
@@ -70,6 +70,11 @@ class _LastRecord:
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
 
 
+# padding tokens a prefill layout of several rows may hold past twice its real tokens (``_prefill_layout``): a burst
+# of short rows (prompts found cached but for their last few tokens) pads each to 16
+PREFILL_PAD_SLACK = 256
+
+
 def prefill_q(n: int) -> int:
     """Tokens a row of a prefill graph takes for a prompt's last n tokens: a power of two of at least 16 up to 512,
     past it also three quarters of one (768, 1536, 3072, ...), so that at most a third of a long prompt's graph is
@@ -83,8 +88,9 @@ class ModelRunner:
     the target's forward pass -> sampling, or with a ``speculator`` verification, acceptance and drafting."""
 
 
-    # a step that mixes generation rows with at most this many rows ending their prompts (requests joining
-    # running ones) runs as one graph per such row plus one graph for the generation rows
+    # a step that mixes generation rows with rows ending their prompts (requests joining running ones) whose one
+    # prefill layout would pad too much runs at most this many of them each as its own graph, beside the generation
+    # rows' graph
     max_split_prefills = 8
 
     def graph_layout(self, batch: SchedulerOutput) -> GraphLayout | None:
@@ -133,9 +139,10 @@ class ModelRunner:
         """Rows that all end their prompts (they sample, none drafts, none is a generation row), each in at most
         ``prefill_graph_tokens`` tokens: a graph of ``prefill_q`` tokens a row (the longest row's), the padding
         tokens writing only the pad block. Several rows (a burst of arrivals, or prompts joining running requests)
-        only where the padded layout holds at most twice their tokens or at most ``prefill_graph_tokens``: an
-        eager step costs about one host launch per kernel, 14 ms for the default model on the GPU machine, far
-        more than that padding."""
+        only where the padded layout holds at most twice their tokens plus ``PREFILL_PAD_SLACK``: an eager step costs
+        about one host launch per kernel, 14 ms for the default model on the GPU machine, more than that padding
+        (on a large model the padding's compute would grow past it; the bound keeps it within the real tokens').
+        Such a layout, as any, is captured the first time a step needs it (about 0.1 s)."""
         sched = batch.scheduled
         # a generation row takes a generation layout (where the device corrects a row continuing the step in flight,
         # and a speculative row verifies and drafts as a generation row)
@@ -147,7 +154,7 @@ class ModelRunner:
             return None
         if len(sched) > 1:
             rows = self.graphs.padded_rows(len(sched))
-            if rows is None or rows * q > max(2 * batch.total_tokens, self.prefill_graph_tokens):
+            if rows is None or rows * q > 2 * batch.total_tokens + PREFILL_PAD_SLACK:
                 return None
         return self._layout(batch, q, prefill=True,
                             from_zero=self.causal_prompts and all(s.start == 0 for s in sched))
@@ -170,13 +177,20 @@ class ModelRunner:
             width = min(self.graph_table_width, width * 2)
         return max(width, need)
 
-    def _has_generation_graph(self, batch: SchedulerOutput, drafts: int) -> bool:
-        """Whether a generation step of these rows verifying and drafting ``drafts`` a row has a graph already (for
-        the draft length's choice: a step without one costs a capture)."""
-        if self.graphs is None or not all(self._generation_row(s) for s in batch.scheduled):
-            return False
-        rows = self.graphs.padded_rows(len(batch.scheduled))
-        return rows is not None and self.graphs.has(GraphLayout(rows, 1 + drafts, self._table_width(batch.scheduled)))
+    def _generation_graphs(self, batch: SchedulerOutput) -> Callable[[int], bool]:
+        """For the draft length's choice: whether a generation step of these rows that verifies and drafts s a row
+        costs no capture (``CudaGraphs.has``; False where the step is no generation graph step). The rows' padded
+        count and table width are computed once, on the first call."""
+        layout: list[tuple[int, int] | None] = []
+
+        def has(s: int) -> bool:
+            if not layout:
+                sched = batch.scheduled
+                rows = None if self.graphs is None or not all(map(self._generation_row, sched)) else \
+                    self.graphs.padded_rows(len(sched))
+                layout.append(None if rows is None else (rows, self._table_width(sched)))
+            return layout[0] is not None and self.graphs.has(GraphLayout(layout[0][0], 1 + s, layout[0][1]))
+        return has
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
@@ -200,8 +214,8 @@ class ModelRunner:
         max_len = max_model_len or model.config.max_position_embeddings
         # padding tokens sit at positions up to a layout's q - 1: they must stay inside the RoPE table
         self.max_graph_q = min(max_len, model.config.max_position_embeddings)
-        # a one-row step ending its prompt in at most this many tokens (batch-1 serving's prefill, up to the step's
-        # token budget) runs as a graph too
+        # rows ending their prompts in at most this many tokens each (batch-1 serving's prefill, up to the step's
+        # token budget; a burst of arrivals) run as a prefill graph too
         self.prefill_graph_tokens = max(512, max_num_batched_tokens)
         self.graph_table_width = cdiv(max_len + 2 * self.table_lookahead + 1, self.block_size)
         rows = cuda_graph_max_rows if device.type == "cuda" else 0
@@ -336,8 +350,7 @@ class ModelRunner:
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites).
         ``draft_len``: the drafts the step proposes, instead of the speculator's choice (step-cost measurements)."""
         if self.speculator is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
-            most = self.speculator.plan_step(batch.scheduled, draft_len,
-                                             lambda d: self._has_generation_graph(batch, d))
+            most = self.speculator.plan_step(batch.scheduled, draft_len, self._generation_graphs(batch))
             for s in batch.scheduled:
                 s.next_drafts = most
         if self.overlap:

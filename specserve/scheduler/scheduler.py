@@ -135,7 +135,7 @@ class Scheduler:
     @staticmethod
     def _entry(req: Request, v: RowView, n: int, column: int) -> ScheduledRequest:
         k = v.known - v.computed
-        return ScheduledRequest(req, v.computed, n, n >= k, max(0, n - k), column, v.after, cut=n - k < v.drafts)
+        return ScheduledRequest(req, v.computed, n, n >= k, max(0, n - k), column, v.after, cut=k <= n < k + v.drafts)
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.block_ids)  # registered blocks stay cached: it may find them again
@@ -179,8 +179,10 @@ class Scheduler:
             admitted = 0  # requests admitted from the queue in this step
             while self.waiting and budget > 0 and len(self.running) + len(held) < self.cfg.max_num_seqs:
                 req = self.waiting[0]
-                took = req.num_computed_tokens == 0 and not req.block_ids  # starts from nothing
-                if took:
+                # ``whole_prompts_together``: a request another admitted in this step would have to cut waits, first
+                # in line for the next step (the burst's rows then all end their prompts: one prefill graph)
+                defer = admitted and self.cfg.whole_prompts_together
+                if req.num_computed_tokens == 0 and not req.block_ids:  # starts from nothing
                     if self.pool.caching and self.running:
                         if computing is None:
                             computing = self._computing()
@@ -189,15 +191,12 @@ class Scheduler:
                                 req.metrics.first_scheduled_time = time.perf_counter()
                             held.append(self.waiting.popleft())
                             continue
+                    if defer and self._uncached_need(req) > budget:
+                        break
                     self._take_cached(req)
                 v = self._view(req)
                 n = min(v.need, budget)
-                if n < v.need and admitted:
-                    # only the first request a step admits starts a chunk: the rows of a burst of arrivals then
-                    # all end their prompts, which lets the step run as one prefill graph (``ModelRunner``), and
-                    # this one starts first in the next step
-                    if took:
-                        self._untake_cached(req)
+                if defer and n < v.need:
                     break
                 slots = self._slots(v, n)
                 if not self.pool.try_reserve(req.block_ids, slots):
@@ -245,11 +244,13 @@ class Scheduler:
         keys = block_keys(req.block_keys, req.token_ids, self.pool.block_size, self.key_after)
         return keys, max(0, (req.num_tokens - max(self.key_after, 1)) // self.pool.block_size)
 
-    def _untake_cached(self, req: Request) -> None:
-        """A request not admitted after all gives back the blocks ``_take_cached`` gave it (taken again when it
-        is)."""
-        self.pool.free(req.block_ids)
-        req.num_computed_tokens = req.num_registered = 0
+    def _uncached_need(self, req: Request) -> int:
+        """The tokens a request starting from nothing would compute, after the cached blocks ``_take_cached`` would
+        give it (nothing taken)."""
+        if not self.pool.caching:
+            return req.num_tokens
+        keys, usable = self._prompt_keys(req)
+        return req.num_tokens - self.pool.cached_run(keys, usable) * self.pool.block_size
 
     def _take_cached(self, req: Request) -> None:
         """Prefix caching: a request starting from nothing takes the cached blocks its tokens begin with
