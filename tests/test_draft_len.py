@@ -319,7 +319,8 @@ def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatc
 def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: after
     ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds, each probe
-    that changed nothing doubling the wait (up to ``PROBE_MAX``); once drafting pays again the wait starts over."""
+    that changed nothing doubling the wait (up to ``PROBE_MAX``); once drafting pays again the wait starts over. A
+    probe keeps to a D whose step has its graph, where one has."""
     from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
 
     costs = StepCosts([1], [[0.49e-3, 0.64e-3, 0.65e-3, 0.70e-3, 0.69e-3]])
@@ -338,6 +339,11 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
         p.zero_run = p.probe_after
         assert p.choose([unlucky], generation=True) > 0
     assert p.probe_after == PROBE_MAX
+    # a probe takes the best D > 0 among those whose step has its graph, where one has; else the best
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=lambda d: d in (0, 3)) == 3
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=lambda d: d == 0) == 2
 
 
 def test_expected_tokens_are_reused_while_nothing_they_depend_on_changed(monkeypatch):

@@ -15,7 +15,8 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover (the
   wait doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
   and another D already has its graph, a D without one must promise ``CAPTURE_GAIN`` more (``prefer_captured``):
-  a batch draining through its batch sizes would otherwise capture graphs mid-run that it never repays;
+  a batch draining through its batch sizes would otherwise capture graphs mid-run that it never repays (a probe
+  too keeps to a D with a graph where one has);
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -333,12 +334,15 @@ class DraftLenPolicy:
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
                 self.probe_after = PROBE_AFTER
-            # a probe: the best D > 0 for this step only (``PROBE_AFTER``); ``last`` keeps 0
+            # a probe: the best D > 0 for this step only (``PROBE_AFTER``), among those with a graph where one has;
+            # ``last`` keeps 0
             rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1, len(tokens) - 1) + 1)]
             if self.zero_run >= self.probe_after and rates:
                 self.zero_run = 0
                 self.probe_after = min(2 * self.probe_after, PROBE_MAX)
-                d = 1 + int(np.argmax(rates))
+                have = [k for k in range(1, len(rates) + 1) if captured is not None and captured(k)] or \
+                    range(1, len(rates) + 1)
+                d = max(have, key=lambda k: (rates[k - 1], -k))
             else:
                 d = self.last = best
         else:
