@@ -299,7 +299,7 @@ for st in "$@"; do
     bursts) for ((r = 1; r <= ${REPS:-1}; r++)); do for tree in ${TREES:-.}; do echo "--- tree $tree, round $r"
               (cd "$tree" && PYTHONPATH=/tmp/site:$PWD bench "$(lim 150)" --model random:smollm2-135m --draft random \
                  --draft-len 4 --forced-acceptance 2.58 --ignore-eos --random-input-len 40 --batch-size 8 64 128 \
-                 --max-tokens 128 --num-prompts 16 --repeats 2 --out "$OUT/bursts-$(basename "$PWD")-$r" | tail -12)
+                 --max-tokens 128 --num-prompts 16 --repeats 3 --out "$OUT/bursts-$(basename "$PWD")-$r" | tail -12)
             done; done ;;
     profile) for s in spec plain ${TREE:+tree}; do
                a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
