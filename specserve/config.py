@@ -212,8 +212,8 @@ class SchedulerConfig:
     # draft tree's nodes); the overlap scheduler counts a running request's next drafts before the host has them
     max_draft_len: int = 0
     num_verify_drafts: int = 0
-    # only the first request a step admits may start a chunk of its prompt (the engine sets it where CUDA graphs are
-    # captured): the rows of a burst of arrivals then all end their prompts and run as one prefill graph
+    # only the first request a step admits may start a chunk of its prompt (the engine sets it where steps run in
+    # CUDA-graph layouts): the rows of a burst of arrivals then all end their prompts and run as one prefill graph
     whole_prompts_together: bool = False
 
     def __post_init__(self) -> None:

@@ -296,6 +296,26 @@ def test_a_burst_of_prompts_runs_as_one_prefill_layout_and_equals_packed(dirs, s
     assert (first.rows, first.q, first.prefill, first.from_zero) == (8, 32, True, True), first
 
 
+def test_a_prefill_layout_of_several_rows_pads_to_twice_their_tokens_plus_slack_or_16_a_row(dirs):
+    from specserve.core.request import Request
+    from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+
+    def rows(*lengths):
+        return SchedulerOutput([ScheduledRequest(Request(str(i), None, list(range(1, n + 1)), sp, 4096, ()), 0, n, True)
+                                for i, n in enumerate(lengths)])
+
+    lay = runner._prefill_layout(rows(*[20] * 8))  # 8 x 32 = 256 padded for 160
+    assert (lay.rows, lay.q, lay.prefill, lay.from_zero) == (8, 32, True, True)
+    assert runner._prefill_layout(rows(100, *[2] * 7)) is None  # 8 x 128 = 1,024 padded for 114
+    assert runner._prefill_layout(rows(*[2] * 8)).q == 16  # 16 a row, whatever the real tokens
+    assert runner._prefill_layout(rows(100, *[80] * 3)).rows == 4  # 4 x 128 = 512 <= 2 x 340 + 256
+
+
 @pytest.mark.parametrize("spec", list(SPECS), ids=str)
 def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
     """More requests than slots: requests join running ones when slots free. That step runs the new prompts

@@ -344,6 +344,11 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     assert p.choose([unlucky], generation=True, captured=lambda d: d in (0, 3)) == 3
     p.zero_run = p.probe_after
     assert p.choose([unlucky], generation=True, captured=lambda d: d == 0) == 2
+    tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)
+    rate = {d: tokens[d] / seconds[d] for d in (1, 3, 4)}
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=lambda d: d in (1, 3, 4)) == max(rate, key=rate.get)
+    assert len(set(rate.values())) == 3
 
 
 def test_expected_tokens_are_reused_while_nothing_they_depend_on_changed(monkeypatch):
@@ -435,9 +440,9 @@ def test_a_head_that_never_accepts_stops_drafting(dirs, reference):
 
 
 def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, monkeypatch):
-    """The runner tells the policy which D have their step's graph (here the layouts run, as if captured): with a
-    capture made to cost more than any gain, every step where some D has one takes such a D; greedy outputs are
-    plain's. Without capture (enforce_eager) no step costs a capture: the policy's own choice stands."""
+    """The runner tells the policy which D have their step's graph (without capture, as here and under
+    enforce_eager, the layouts run: the same choices as with capture): with a capture made to cost more than any
+    gain, every step where some D has one takes such a D; greedy outputs are plain's."""
     import specserve.speculative.draft_len as draft_len
     from specserve.runner.cuda_graph import CudaGraphs
 
@@ -446,8 +451,7 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
     llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
     runner = llm.engine.runner
-    runner.graphs = graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
-    graphs.has = lambda layout: layout in graphs._layouts  # as if each layout run had been captured: the others cost
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)  # has(): the layouts run
     policy = llm.engine.draft_policy
     policy.costs = StepCosts([8], [[1.0, 1.1, 1.2, 1.3]])  # the oracle's 2 right drafts: D = 2 the best
     policy.timed = False  # the estimates stay as set (no periods observed)
@@ -468,7 +472,6 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert len(calls) > 10 and all(have[d] for d, have in calls if any(have))
     # steps where the best, D = 1, had no graph and another D had one (which they took)
     assert any(not have[1] and any(have) for _, have in calls[7:])
-    assert CudaGraphs(8, runner._staging_buffers(), capture=False).has(None)
 
 
 def test_draft_length_settings_are_checked():

@@ -82,6 +82,14 @@ def test_with_whole_prompts_together_only_a_steps_first_admission_starts_a_chunk
     assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
         ("a", 3, 1, True), ("b", 8, 9, False)]
     assert pool.hit > hits
+    # what fits after its cached blocks is whole, not cut: admitted beside another (15 tokens, 8 of them cached)
+    s2 = Scheduler(SchedulerConfig(max_num_batched_tokens=10, whole_prompts_together=True), pool)
+    d, e = req("d", 3), req("e", 15)
+    s2.add(d)
+    s2.add(e)
+    out = s2.schedule()
+    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
+        ("d", 0, 3, True), ("e", 8, 7, True)]
 
 
 def test_lookahead_slots_are_reserved_for_sampling_requests():

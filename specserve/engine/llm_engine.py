@@ -114,8 +114,8 @@ class LLMEngine:
                 speculator = Speculator(self.model, self.head, head_kv, self.spec_config, self.kv_cache.block_size,
                                         self.thinking_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, speculator=speculator, **runner_kwargs)
-        graphs = self.runner.graphs
-        self.scheduler.cfg.whole_prompts_together = graphs is not None and graphs.capture
+        # (with enforce_eager too: turning capture off changes nothing but the launches)
+        self.scheduler.cfg.whole_prompts_together = self.runner.graphs is not None
         self.overlap = config.overlap_scheduler
         self.async_output = config.async_output or self.overlap  # overlap reports a step one call late too
         self._in_flight = None  # the step launched and not yet collected (``async_output``)

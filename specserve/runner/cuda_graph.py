@@ -37,7 +37,7 @@ class CudaGraphs:
         self._generation: tuple[int, ...] | None = None
         self.steps = 0  # replays (or runs) of a graph layout: each part of a split engine step counts
         self.captures = 0  # graphs captured so far (never lowered: a moved staging buffer drops the graphs)
-        self._layouts: set = set()  # layouts with a graph (without capture: layouts run, which tests read)
+        self._layouts: set = set()  # layouts with a graph (without capture: layouts run)
 
     def padded_rows(self, rows: int) -> int | None:
         """The smallest captured size >= rows, or None when the batch is too large for a graph."""
@@ -45,9 +45,10 @@ class CudaGraphs:
 
     def has(self, layout) -> bool:
         """Whether a step in ``layout`` costs no capture: a graph of it is captured (for some host switches) and
-        the staging buffers have not moved since; without capture, always."""
+        the staging buffers have not moved since. Without capture (enforce_eager, CPU tests), whether a step ran in
+        it: the same answers as with capture, so that choices made on them (the draft length) stay the same."""
         if not self.capture:
-            return True
+            return layout in self._layouts
         return layout in self._layouts and tuple(s.generation for s in self._staging) == self._generation
 
     @property

@@ -70,8 +70,9 @@ class _LastRecord:
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
 
 
-# padding tokens a prefill layout of several rows may hold past twice its real tokens (``_prefill_layout``): a burst
-# of short rows (prompts found cached but for their last few tokens) pads each to 16
+# padding tokens a prefill layout of several rows may hold past twice its real tokens (``_prefill_layout``), which
+# also takes any layout of 16 tokens a row (the least ``prefill_q`` gives: prompts found cached but for their last
+# few tokens)
 PREFILL_PAD_SLACK = 256
 
 
@@ -139,10 +140,10 @@ class ModelRunner:
         """Rows that all end their prompts (they sample, none drafts, none is a generation row), each in at most
         ``prefill_graph_tokens`` tokens: a graph of ``prefill_q`` tokens a row (the longest row's), the padding
         tokens writing only the pad block. Several rows (a burst of arrivals, or prompts joining running requests)
-        only where the padded layout holds at most twice their tokens plus ``PREFILL_PAD_SLACK``: an eager step costs
-        about one host launch per kernel, 14 ms for the default model on the GPU machine, more than that padding
-        (on a large model the padding's compute would grow past it; the bound keeps it within the real tokens').
-        Such a layout, as any, is captured the first time a step needs it (about 0.1 s)."""
+        only where the padded layout holds at most twice their tokens plus ``PREFILL_PAD_SLACK``, or 16 a row: an
+        eager step costs about one host launch per kernel, 14 ms for the default model on the GPU machine, more than
+        that padding (on a large model the padding's compute would grow past it; the bound keeps it near the real
+        tokens'). Such a layout, as any, is captured the first time a step needs it (about 0.1 s)."""
         sched = batch.scheduled
         # a generation row takes a generation layout (where the device corrects a row continuing the step in flight,
         # and a speculative row verifies and drafts as a generation row)
@@ -154,7 +155,7 @@ class ModelRunner:
             return None
         if len(sched) > 1:
             rows = self.graphs.padded_rows(len(sched))
-            if rows is None or rows * q > 2 * batch.total_tokens + PREFILL_PAD_SLACK:
+            if rows is None or rows * q > max(2 * batch.total_tokens + PREFILL_PAD_SLACK, 16 * rows):
                 return None
         return self._layout(batch, q, prefill=True,
                             from_zero=self.causal_prompts and all(s.start == 0 for s in sched))

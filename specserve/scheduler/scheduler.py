@@ -182,7 +182,8 @@ class Scheduler:
                 # ``whole_prompts_together``: a request another admitted in this step would have to cut waits, first
                 # in line for the next step (the burst's rows then all end their prompts: one prefill graph)
                 defer = admitted and self.cfg.whole_prompts_together
-                if req.num_computed_tokens == 0 and not req.block_ids:  # starts from nothing
+                fresh = req.num_computed_tokens == 0 and not req.block_ids  # starts from nothing
+                if fresh:
                     if self.pool.caching and self.running:
                         if computing is None:
                             computing = self._computing()
@@ -196,7 +197,7 @@ class Scheduler:
                     self._take_cached(req)
                 v = self._view(req)
                 n = min(v.need, budget)
-                if defer and n < v.need:
+                if defer and not fresh and n < v.need:  # (a fresh request was judged before it took cached blocks)
                     break
                 slots = self._slots(v, n)
                 if not self.pool.try_reserve(req.block_ids, slots):
