@@ -24,6 +24,11 @@ def apply(s: Scheduler, out, tokens: list[int]) -> None:
         entry.request.append_token(res.tokens[0])
 
 
+def rows(out) -> list[tuple[str, int, int, bool]]:
+    """A step's rows as (request id, start, tokens, samples)."""
+    return [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled]
+
+
 def req(rid: str, n_prompt: int, max_tokens: int = 8) -> Request:
     return Request(rid, None, list(range(3, 3 + n_prompt)), SamplingParams(temperature=0, max_tokens=max_tokens),
                    10_000, ())
@@ -52,16 +57,14 @@ def test_chunked_prefill_and_decode_share_a_step():
     s.add(a)
     s.add(b)
     out = s.schedule()
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
-        ("a", 0, 3, True), ("b", 0, 7, False)]
+    assert rows(out) == [("a", 0, 3, True), ("b", 0, 7, False)]
     apply(s, out, [100])
     out = s.schedule()  # a decodes one token; b continues its prompt with the rest of the budget
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
-        ("a", 3, 1, True), ("b", 7, 9, False)]
+    assert rows(out) == [("a", 3, 1, True), ("b", 7, 9, False)]
 
 
 def test_with_whole_prompts_together_only_a_steps_first_admission_starts_a_chunk():
-    """(Set where CUDA graphs are captured.) A request that a step would cut beside another it admitted waits,
+    """(Set where steps run in CUDA-graph layouts.) A request that a step would cut beside another it admitted waits,
     taking nothing from the prefix cache; next step it is the first admitted and takes a chunk beside the decode."""
     pool = BlockPool(64, 4, caching=True)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=10, whole_prompts_together=True), pool)
@@ -75,12 +78,11 @@ def test_with_whole_prompts_together_only_a_steps_first_admission_starts_a_chunk
         s.add(r)
     queried, hits = pool.queried, pool.hit
     out = s.schedule()  # b would be cut to 7 of its 17 uncached tokens beside a: it waits, and so does c behind it
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [("a", 0, 3, True)]
+    assert rows(out) == [("a", 0, 3, True)]
     assert not b.block_ids and b.num_computed_tokens == 0 and (pool.queried, pool.hit) == (queried, hits)
     apply(s, out, [101])
     out = s.schedule()  # a decodes one token; b takes its cached blocks and a chunk with the rest of the budget
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
-        ("a", 3, 1, True), ("b", 8, 9, False)]
+    assert rows(out) == [("a", 3, 1, True), ("b", 8, 9, False)]
     assert pool.hit > hits
     # what fits after its cached blocks is whole, not cut: admitted beside another (15 tokens, 8 of them cached)
     s2 = Scheduler(SchedulerConfig(max_num_batched_tokens=10, whole_prompts_together=True), pool)
@@ -88,8 +90,7 @@ def test_with_whole_prompts_together_only_a_steps_first_admission_starts_a_chunk
     s2.add(d)
     s2.add(e)
     out = s2.schedule()
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [
-        ("d", 0, 3, True), ("e", 8, 7, True)]
+    assert rows(out) == [("d", 0, 3, True), ("e", 8, 7, True)]
 
 
 def test_lookahead_slots_are_reserved_for_sampling_requests():
@@ -115,7 +116,7 @@ def test_newest_request_is_preempted_and_requeued_first():
     assert s.waiting[0] is b and b.metrics.num_preemptions == 1
     s.finish(a)
     out = s.schedule()  # b recomputes prompt + its one output token, then samples
-    assert [(x.request.request_id, x.start, x.num_tokens, x.sample) for x in out.scheduled] == [("b", 0, 9, True)]
+    assert rows(out) == [("b", 0, 9, True)]
 
 
 def test_drafts_are_scheduled_for_verification_and_rejected_ones_dropped_by_length():
