@@ -1,0 +1,275 @@
+"""The draft-length policies on synthetic costs and acceptance (``speculative/draft_len.py``): TensorRT-LLM's
+schedule and gate, expected tokens, the adaptive choice (captured graphs, observed periods, probes, reuse of its
+expected tokens), and step costs checked, saved and loaded. The engine under a changing draft length:
+``test_draft_len.py``."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from specserve.core.metrics import SpecStats
+from specserve.speculative.draft_len import (CAPTURE_GAIN, AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
+                                             cost_buckets, engine_rates, expected_tokens, prefer_captured)
+
+
+class _Req:
+    def __init__(self, drafted, accepted):
+        self.spec_stats = SpecStats(drafted_per_pos=list(drafted), accepted_per_pos=list(accepted))
+
+
+def test_the_schedule_follows_tensorrt_llm():
+    """{4: 4, 8: 2, 32: 1}: 1-4 rows draft 4, 5-8 two, 9-32 one, more none."""
+    p = DraftLenPolicy(4, schedule={4: 4, 8: 2, 32: 1})
+    assert [p.choose([_Req([], [])] * b) for b in (1, 4, 5, 8, 9, 32, 33, 100)] == [4, 4, 2, 2, 1, 1, 0, 0]
+    # a schedule longer than max_draft_len is capped
+    assert DraftLenPolicy(2, schedule={4: 4}).choose([_Req([], [])]) == 2
+
+
+def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
+    gate = AcceptanceGate(window=3, threshold=0.5)
+    p = DraftLenPolicy(3, gate=gate)
+    def step(drafted, accepted):  # a collected step of two rows: the gate sums them
+        p.observe([SimpleNamespace(num_drafts=drafted - drafted // 2, num_accepted=accepted - accepted // 2),
+                   SimpleNamespace(num_drafts=drafted // 2, num_accepted=accepted // 2)])
+
+    for drafted, accepted in ((3, 3), (3, 0), (0, 0), (3, 2)):  # 5 of 9 over the window: open
+        step(drafted, accepted)
+    assert not gate.closed and p.choose([_Req([], [])]) == 3
+    step(3, 0)  # (3, 0), (3, 2), (3, 0): 2 of 9
+    assert gate.closed and p.choose([_Req([], [])]) == 0
+    for _ in range(5):
+        step(3, 3)  # a closed gate draws nothing, so nothing reopens it
+    assert p.choose([_Req([], [])]) == 0
+
+
+def test_expected_tokens_blend_own_acceptance_with_the_engines():
+    prior = SpecStats(drafted_per_pos=[10, 10], accepted_per_pos=[8, 4])
+    # the engine's rates: its counts after 4 optimistic steps at the position before's rate (1.0 before the first)
+    g0 = (8 + 4 * 1.0) / 14
+    g1 = (4 + 4 * g0) / 14
+    assert engine_rates(prior, 3) == pytest.approx([g0, g1, g1])  # position 3, never drafted: position 2's
+    new = _Req([], [])  # nothing verified yet: the engine's rates
+    assert expected_tokens([new.spec_stats], prior, 3) == pytest.approx([1, 1 + g0, 1 + g0 + g1, 1 + g0 + 2 * g1])
+    # a request whose own drafts are never accepted, after 36 steps, outweighs the prior (weight 4)
+    bad = _Req([36, 36, 36], [0, 0, 0])
+    e = expected_tokens([bad.spec_stats], prior, 3)
+    assert e[1] == pytest.approx(1 + 4 * g0 / 40) and e[3] < 1.2
+    # rates never rise with depth; the batch sums its rows
+    odd = _Req([10, 10], [2, 9])
+    r = np.diff(expected_tokens([odd.spec_stats], prior, 2))
+    assert r[1] <= r[0]
+    assert expected_tokens([new.spec_stats, bad.spec_stats], prior, 3) == pytest.approx(
+        expected_tokens([new.spec_stats], prior, 3) + e)
+    assert list(expected_tokens([], prior, 3)) == [0, 0, 0, 0]
+
+
+def test_a_few_unlucky_first_steps_do_not_stop_the_deep_drafts():
+    """The lock-in this guards against: after three steps at D = 4 that accepted 2, 0 and 0 drafts, the engine's
+    counts and the request's said positions 2-4 never accept, D = 1 won on batch-1 costs, and nothing drafted those
+    positions again. Thin counts now stay near the optimistic prior, so D = 4 is still tried; many such steps do end it."""
+    costs = StepCosts([1], [[0.49, 0.64, 0.65, 0.70, 0.69]])  # batch-1 step costs by D, default model on a GPU
+    unlucky = SpecStats(drafted_per_pos=[3, 3, 3, 3], accepted_per_pos=[2, 0, 0, 0])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: unlucky)
+    assert p.choose([_Req([3, 3, 3, 3], [2, 0, 0, 0])]) == 4
+    many = SpecStats(drafted_per_pos=[300] * 4, accepted_per_pos=[200, 0, 0, 0])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: many)
+    assert p.choose([_Req([300] * 4, [200, 0, 0, 0])]) == 1
+
+
+def test_the_choice_maximises_tokens_per_second():
+    tokens = np.array([1.0, 1.8, 2.3, 2.6, 2.8])
+    cheap = [1.0, 1.05, 1.1, 1.15, 1.2]  # batch 1: verifying is nearly free, so the longest wins
+    assert best_draft_len(tokens, cheap, 4) == 4
+    dear = [1.0, 1.9, 2.8, 3.7, 4.6]  # every draft costs almost a step: none
+    assert best_draft_len(tokens, dear, 4) == 0
+    mid = [1.0, 1.2, 1.5, 2.0, 2.6]  # 1.5, 1.53, 1.3, 1.08 tokens per unit
+    assert best_draft_len(tokens, mid, 4) == 2
+    assert best_draft_len(tokens, cheap, 1) == 1  # the schedule's or gate's cap holds
+    # the D of the step before stays unless another promises 2% more: D = 2's 1.513 against D = 1's 1.5 keeps 1
+    near = [1.0, 1.2, 1.52, 2.0, 2.6]
+    assert best_draft_len(tokens, near, 4) == 2
+    assert best_draft_len(tokens, near, 4, current=1) == 1 and best_draft_len(tokens, near, 4, current=3) == 2
+    assert best_draft_len(tokens, cheap, 2, current=4) == 2  # a current D past the cap gives way
+    costs = StepCosts([1, 4, 16], [cheap, mid, dear])
+    assert costs.row(1) == cheap and costs.row(3) == mid and costs.row(16) == dear
+    assert costs.row(32) == pytest.approx([2 * t for t in dear])  # past the largest: grows with the rows
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[100] * 4, accepted_per_pos=[80, 62, 48, 40]))
+    assert [p.choose([_Req([], [])] * b) for b in (1, 3, 10)] == [4, 2, 0]
+
+
+def _run_policy(policy: DraftLenPolicy, requests: list, period: list[float], steps: int, monkeypatch) -> list[int]:
+    """``steps`` generation steps whose real seconds by D are ``period``, on a fake clock -> the D of each."""
+    import types
+
+    import specserve.speculative.draft_len as draft_len
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_len, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    chosen = []
+    for _ in range(steps):
+        chosen.append(policy.choose(requests, generation=True))
+        clock[0] += period[chosen[-1]]
+    return chosen
+
+
+def test_a_draft_length_without_a_graph_must_promise_more_than_a_capture_costs():
+    """While another D has its graph for the step, a D without one (a capture mid-run, ~0.1 s on the GPU machine)
+    is taken only where it promises CAPTURE_GAIN more tokens per second; with no graph at all the best D is taken."""
+    tokens = np.array([1.0, 1.1, 1.2, 1.3])
+    seconds = [1.0] * 4
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 3) == 3
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 1) == 1  # 1.3 < 1.1 * 1.25
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d in (0, 1, 2)) == 2
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 0) == 3  # 1.3 > 1.0 * (1 + CAPTURE_GAIN)
+    assert 1.3 > 1.0 * (1 + CAPTURE_GAIN) > 1.3 / 1.1
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: False) == 3
+    assert prefer_captured(tokens, seconds, 2, 2, lambda d: d == 3) == 2  # past the cap: not a choice
+    # through the policy: the measured costs' choice (D = 3) gives way to the captured D = 2
+    costs = StepCosts([128], [[1.4e-3, 1.6e-3, 1.8e-3, 2.0e-3, 2.3e-3]])
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
+    rows = [_Req([], [])] * 100
+    assert DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior).choose(rows) == 3
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
+    assert p.choose(rows, captured=lambda d: d in (2, 4)) == 2
+
+
+def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypatch):
+    """The case the H100 showed at 128 rows: start-up costs (graph replays) ranked D = 3 first, but the engine was
+    host-bound and its real periods ranked D = 4 first (1.5x D = 3). Observed periods raise each D's estimate as it
+    runs, a D not run keeps its lower one and is tried next, and the engine settles on D = 4."""
+    measured = StepCosts([64, 128], [[1.0] * 5, [1.4e-3, 1.6e-3, 1.8e-3, 2.0e-3, 2.3e-3]])
+    real = [2.86e-3, 5.3e-3, 3.4e-3, 5.1e-3, 3.2e-3]
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
+    rows = [_Req([], [])] * 100
+    p = DraftLenPolicy(4, adaptive=True, costs=measured, prior=lambda: prior)
+    assert p.choose(rows) == 3  # the measured costs' choice
+    chosen = _run_policy(p, rows, real, 300, monkeypatch)
+    assert set(chosen[:150]) == {1, 2, 3, 4}  # each tried once its estimate led (D = 0 never could)
+    assert Counter(chosen[-100:])[4] == 100
+    assert p.costs == measured and p.live.seconds[1][4] == pytest.approx(3.2e-3, rel=0.01)
+    assert p.live.seconds[0] == [1.0] * 5  # other row counts untouched
+    # under tensor parallelism ranks must choose alike, and their clocks differ: no periods observed
+    tp = DraftLenPolicy(4, adaptive=True, costs=measured, prior=lambda: prior)
+    tp.timed = False
+    assert Counter(_run_policy(tp, rows, real, 100, monkeypatch)) == {3: 100} and tp.live == measured
+    # a period past the estimate (a graph capture) moves it 12.5% at most; one 8x past it is no step's cost (the
+    # engine waited for work) and is dropped
+    c = StepCosts([1], [[1.0, 2.0]])
+    c.observe(1, 1, 3.5)
+    c.observe(1, 0, 0.5)
+    c.observe(1, 0, 100.0)
+    c.observe(2, 1, 100.0)  # past the largest bucket: not recorded
+    assert c.seconds == [[0.875, 2.25]]
+
+
+def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatch):
+    """Under the overlap scheduler the period from one launch to the next mostly waits for the step before, so a
+    period counts only where the last two steps were generation steps of the same rows and D; a prompt step's or
+    a changed D's period is not recorded."""
+    costs = StepCosts([4], [[1.0, 1.5]])
+    p = DraftLenPolicy(1, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[100], accepted_per_pos=[90]))
+    rows = [_Req([], [])] * 4
+    import types
+
+    import specserve.speculative.draft_len as draft_len
+
+    clock = [0.0]
+    monkeypatch.setattr(draft_len, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    for generation, dt in ((False, 5.0), (True, 2.5), (True, 2.5)):  # a prompt step, then two generation steps
+        assert p.choose(rows, generation) == 1
+        clock[0] += dt
+    assert p.live.seconds == [[1.0, 1.5]]  # the periods after the prompt step and after the first generation step
+    assert p.choose(rows, True) == 1  # the period after two alike generation steps: recorded
+    assert p.live.seconds == [[1.0, 1.6875]]  # 2.5 clipped to 1.5x 1.5, a quarter of the way
+    clock[0] += 2.5
+    assert p.choose(rows[:3], True) == 1
+    assert p.live.seconds == [[1.0, 1.890625]]
+    clock[0] += 2.5
+    p.choose(rows, True)  # the step before had 3 rows, the one before it 4: not recorded
+    assert p.live.seconds == [[1.0, 1.890625]]
+
+
+def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
+    """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: after
+    ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds, each probe
+    that changed nothing doubling the wait (up to ``PROBE_MAX``); once drafting pays again the wait starts over. A
+    probe keeps to a D whose step has its graph, where one has."""
+    from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
+
+    costs = StepCosts([1], [[0.49e-3, 0.64e-3, 0.65e-3, 0.70e-3, 0.69e-3]])
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
+    unlucky = _Req([60] * 4, [2, 0, 0, 0])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
+    chosen = _run_policy(p, [unlucky], costs.seconds[0], 7 * PROBE_AFTER, monkeypatch)
+    probes = [i for i, d in enumerate(chosen) if d]
+    assert probes == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1, 7 * PROBE_AFTER - 1]
+    assert {chosen[i] for i in probes} == {2}  # the most tokens a second of D > 0 on these costs
+    assert p.probe_after == 8 * PROBE_AFTER <= PROBE_MAX
+    lucky = _Req([60] * 4, [50, 40, 30, 25])  # what the probes found: drafting pays again
+    assert p.choose([lucky], generation=True) == 4
+    assert p.probe_after == PROBE_AFTER
+    for _ in range(20):  # probes change nothing for long: the wait stops growing at PROBE_MAX
+        p.zero_run = p.probe_after
+        assert p.choose([unlucky], generation=True) > 0
+    assert p.probe_after == PROBE_MAX
+    # a probe takes the best D > 0 among those whose step has its graph, where one has; else the best
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=lambda d: d in (0, 3)) == 3
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=lambda d: d == 0) == 2
+    tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)
+    rate = {d: tokens[d] / seconds[d] for d in (1, 3, 4)}
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=lambda d: d in (1, 3, 4)) == max(rate, key=rate.get)
+    assert len(set(rate.values())) == 3
+
+
+def test_expected_tokens_are_reused_while_nothing_they_depend_on_changed(monkeypatch):
+    """At D = 0 no request's counts change, so the policy reuses its last expected tokens; a changed row, or
+    engine counts that moved (a request verified drafts), computes them again."""
+    import specserve.speculative.draft_len as draft_len
+
+    calls = []
+    real = draft_len.expected_tokens
+    monkeypatch.setattr(draft_len, "expected_tokens", lambda *a: calls.append(1) or real(*a))
+    prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220], num_verify_steps=250,
+                      num_drafted=4000)
+    rows = [_Req([60] * 4, [50, 40, 30, 25]), _Req([60] * 4, [2, 0, 0, 0])]
+    p = DraftLenPolicy(4, adaptive=True, costs=StepCosts([2], [[1.0, 1.1, 1.2, 1.3, 1.4]]), prior=lambda: prior)
+    p.timed = False  # the costs as given (no observed periods of these instant calls)
+    first = p.choose(rows, True)
+    assert p.choose(rows, True) == first and len(calls) == 1
+    p.choose(rows[:1], True)  # another batch
+    p.choose(rows[:1], True)
+    assert len(calls) == 2
+    p.choose([_Req([60] * 4, [50, 40, 30, 25])], True)  # as many rows, another request: its own counts
+    assert len(calls) == 3
+    p.choose(rows[:1], True)
+    assert len(calls) == 4
+    rows[0].spec_stats.accepted_per_pos = [0, 0, 0, 0]  # as a verify step records it, with the engine's counts
+    prior.num_verify_steps += 1
+    assert p.choose(rows[:1], True) == 0 and len(calls) == 5
+
+
+def test_step_costs_are_checked_saved_and_loaded(tmp_path):
+    f = tmp_path / "costs.json"
+    a = StepCosts([1, 2], [[1.0, 2.0], [1.5, 2.5]])
+    a.save(f, "model-a")
+    StepCosts([1], [[3.0, 4.0]]).save(f, "model-b")
+    assert StepCosts.load(f, "model-a") == a and StepCosts.load(f, "model-b").seconds == [[3.0, 4.0]]
+    assert StepCosts.load(f, "other") is None and StepCosts.load(tmp_path / "none.json", "model-a") is None
+    f.write_text(json.dumps({"model-a": {"buckets": [1]}}))
+    with pytest.raises(ValueError, match="not one written by specserve"):
+        StepCosts.load(f, "model-a")
+    for buckets, seconds in (([2, 1], [[1.0], [1.0]]), ([1], [[1.0], [2.0]]), ([1, 2], [[1.0], [1.0, 2.0]]),
+                             ([1], [[0.0]])):
+        with pytest.raises(ValueError, match="step costs"):
+            StepCosts(buckets, seconds)
+    assert cost_buckets(1) == [1] and cost_buckets(6) == [1, 2, 4, 6] and cost_buckets(8) == [1, 2, 4, 8]
