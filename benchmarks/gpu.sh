@@ -42,6 +42,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   bursts       a burst of short prompts arriving together: 40-token random prompts at batches 8 64 128, 128 new
                tokens, random weights and head (FORCED acceptance), speculation off and on, one process per tree in
                TREES (".": this tree; ".old" another commit's copy), REPS (1) times alternating; 150 s each
+  captures     benchmarks/capture_times.py --batch 8 --spec: each CUDA graph the bursts workload at batch 8 captures,
+               run by run, and its seconds (compilation included on a fresh machine); 200 s
   ttftrand     TTFT of random prompts of LENS (2048) tokens at batch 1 (each backend of BACKENDS) on random
                weights of the default model's shapes (no model to carry), speculation off and on (a random head,
                FORCED acceptance), 2 rounds; 150 s
@@ -116,7 +118,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn zeroprof ttftrand bursts "
+STAGES+=" prefillattn zeroprof ttftrand bursts captures "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -301,6 +303,7 @@ for st in "$@"; do
                  --draft-len 4 --forced-acceptance 2.58 --ignore-eos --random-input-len 40 --batch-size 8 64 128 \
                  --max-tokens 128 --num-prompts 16 --repeats 3 --out "$OUT/bursts-$(basename "$PWD")-$r" | tail -12)
             done; done ;;
+    captures) timeout "$(lim 200)" python3 benchmarks/capture_times.py --batch 8 --spec 2>&1 | quiet | tail -30 ;;
     profile) for s in spec plain ${TREE:+tree}; do
                a=(--draft random --forced-acceptance 2.58); [ $s = plain ] && a=(--no-spec)
                [ $s = tree ] && a=(--draft random --tree "$TREE")
