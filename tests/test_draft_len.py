@@ -184,7 +184,7 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     from specserve.runner.cuda_graph import CudaGraphs
 
     prompts, ref, refs = reference
-    monkeypatch.setattr(draft_len, "CAPTURE_GAIN", 1e9)
+    monkeypatch.setattr(draft_len, "CAPTURE_SECONDS", 1e9)
     sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
     llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
     runner = llm.engine.runner

@@ -6,6 +6,7 @@ expected tokens), and step costs checked, saved and loaded. The engine under a c
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from specserve.core.metrics import SpecStats
-from specserve.speculative.draft_len import (CAPTURE_GAIN, AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
+from specserve.speculative.draft_len import (CAPTURE_SECONDS, AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
                                              cost_buckets, engine_rates, expected_tokens, prefer_captured)
 
 
@@ -118,25 +119,36 @@ def _run_policy(policy: DraftLenPolicy, requests: list, period: list[float], ste
     return chosen
 
 
-def test_a_draft_length_without_a_graph_must_promise_more_than_a_capture_costs():
-    """While another D has its graph for the step, a D without one (a capture mid-run, ~0.1 s on the GPU machine)
-    is taken only where it promises CAPTURE_GAIN more tokens per second; with no graph at all the best D is taken."""
+def test_a_draft_length_without_a_graph_is_rented_until_the_rent_would_have_paid_its_capture():
+    """While another D has its graph for the step, the best D without one (a capture mid-run, ~0.1 s on the GPU
+    machine) is not taken: the best D with a graph is, and what that loses against the best accrues until it reaches
+    CAPTURE_SECONDS; then the best D is taken (captured). With no graph at all the best D is taken at once."""
     tokens = np.array([1.0, 1.1, 1.2, 1.3])
-    seconds = [1.0] * 4
-    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 3) == 3
-    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 1) == 1  # 1.3 < 1.1 * 1.25
-    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d in (0, 1, 2)) == 2
-    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 0) == 3  # 1.3 > 1.0 * (1 + CAPTURE_GAIN)
-    assert 1.3 > 1.0 * (1 + CAPTURE_GAIN) > 1.3 / 1.1
-    assert prefer_captured(tokens, seconds, 3, 3, lambda d: False) == 3
-    assert prefer_captured(tokens, seconds, 2, 2, lambda d: d == 3) == 2  # past the cap: not a choice
-    # through the policy: the measured costs' choice (D = 3) gives way to the captured D = 2
+    seconds = [1e-3] * 4
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 3) == (3, 0.0)
+    d, lost = prefer_captured(tokens, seconds, 3, 3, lambda d: d == 1)
+    assert d == 1 and lost == pytest.approx(1e-3 * (1 - 1.1 / 1.3))
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 1, owed=CAPTURE_SECONDS - lost / 2) == (3, 0.0)
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d == 1, owed=CAPTURE_SECONDS - 2 * lost)[0] == 1
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: d in (0, 1, 2))[0] == 2
+    assert prefer_captured(tokens, seconds, 3, 3, lambda d: False) == (3, 0.0)
+    assert prefer_captured(tokens, seconds, 2, 2, lambda d: d == 3) == (2, 0.0)  # past the cap: not a choice
+    # through the policy: the measured costs' choice (D = 3) gives way to the captured D = 2 until the seconds that
+    # loses reach a capture's, counted per (rows, D)
     costs = StepCosts([128], [[1.4e-3, 1.6e-3, 1.8e-3, 2.0e-3, 2.3e-3]])
     prior = SpecStats(drafted_per_pos=[1000] * 4, accepted_per_pos=[620, 410, 280, 220])
     rows = [_Req([], [])] * 100
     assert DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior).choose(rows) == 3
     p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
-    assert p.choose(rows, captured=lambda d: d in (2, 4)) == 2
+    p.timed = False
+    tok, sec = p._expected_tokens([r.spec_stats for r in rows]), costs.seconds[0]
+    per_step = sec[2] * (1 - tok[2] / sec[2] / (tok[3] / sec[3]))
+    rent = math.ceil(CAPTURE_SECONDS / per_step) - 1  # steps whose losses stay below a capture's cost
+    assert 10 < rent < 10_000
+    assert [p.choose(rows, captured=lambda d: d in (2, 4)) for _ in range(rent)] == [2] * rent
+    assert p.choose(rows[:99], captured=lambda d: d in (2, 4)) == 2  # other rows: a debt of their own
+    assert p.choose(rows, captured=lambda d: d in (2, 4)) == 3  # now the capture has paid
+    assert p.choose(rows, captured=lambda d: d in (2, 3, 4)) == 3 and not p._owed.get((100, 3))
 
 
 def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypatch):

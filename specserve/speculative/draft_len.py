@@ -14,9 +14,11 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   not run keeps its lower estimate, so it is tried once the one in use has grown past it (``observe``). After
   ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover (the
   wait doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
-  and another D already has its graph, a D without one must promise ``CAPTURE_GAIN`` more (``prefer_captured``):
-  a batch draining through its batch sizes would otherwise capture graphs mid-run that it never repays (a probe
-  too keeps to a D with a graph where one has);
+  and another D already has its graph, a D without one is first rented, not bought (``prefer_captured``): the
+  steps take the best D that has a graph and count the seconds that costs them against the best, and the best D's
+  graph is captured once those seconds reach what a capture costs (``CAPTURE_SECONDS``), so that a batch draining
+  through its batch sizes does not capture graphs mid-run that its few steps at a size never repay, while a batch
+  size that lasts gets its best D (a probe too keeps to a D with a graph where one has);
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -57,10 +59,11 @@ SWITCH_GAIN = 0.02
 OBSERVE_WEIGHT = 0.25
 OBSERVE_CLIP = 1.5
 OBSERVE_DROP = 8.0
-# a D whose step has no CUDA graph yet costs a capture (an eager step, then the capture: about 0.1 s on the GPU
-# machine, a hundred steps or more), which a batch draining through its batch sizes may never repay: while another
-# D has its graph for the step, a D without one is taken only where it promises this much more tokens per second
-CAPTURE_GAIN = 0.25
+# a D whose step has no CUDA graph yet costs a capture: an eager step, then the capture, 0.08-0.1 s on the GPU
+# machine with the kernels compiled (``benchmarks/capture_times.py``), a hundred steps or more. While another D has
+# its graph for the step, the best D's is captured only once the steps that took that other D instead lost this
+# many seconds against it (renting until the rent paid would have bought it: never more than twice the best cost)
+CAPTURE_SECONDS = 0.1
 # after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
 # verifies nothing, so without a probe its requests' estimates could never recover from an unlucky start. Each
 # probe that leaves the rule at D = 0 doubles the wait, up to PROBE_MAX steps (a head that never pays, e.g. on
@@ -190,19 +193,21 @@ def best_draft_len(tokens: np.ndarray, seconds: list[float], allowed: int, curre
 
 
 def prefer_captured(tokens: np.ndarray, seconds: list[float], allowed: int, best: int,
-                    captured: Callable[[int], bool]) -> int:
+                    captured: Callable[[int], bool], owed: float = 0.0) -> tuple[int, float]:
     """``best`` (``best_draft_len``'s choice), or where its step has no graph yet (``captured(D)``: whether D's has)
-    the D of most expected tokens per second among those that have one, unless ``best`` promises ``CAPTURE_GAIN``
-    more."""
+    the D of most expected tokens per second among those that have one, until the seconds ``owed`` (what steps took
+    that D instead of ``best`` lost so far) and this step's loss reach ``CAPTURE_SECONDS`` -> (the D, the seconds
+    this step loses against ``best``: 0 where it takes ``best``)."""
     if captured(best):
-        return best
+        return best, 0.0
     n = min(allowed, len(seconds) - 1, len(tokens) - 1)
     have = [d for d in range(n + 1) if captured(d)]
     if not have:
-        return best
+        return best, 0.0
     rate = [tokens[d] / seconds[d] for d in range(n + 1)]
     alt = max(have, key=lambda d: (rate[d], -d))
-    return best if rate[best] > rate[alt] * (1 + CAPTURE_GAIN) else alt
+    lost = max(0.0, seconds[alt] * (1 - rate[alt] / rate[best])) if rate[best] > 0 else 0.0
+    return (best, 0.0) if owed + lost >= CAPTURE_SECONDS else (alt, lost)
 
 
 @dataclass
@@ -279,6 +284,9 @@ class DraftLenPolicy:
         # the last expected tokens and what they were computed from: a step at D = 0 changes no request's counts,
         # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
         self._tokens_memo: _TokensMemo | None = None
+        # seconds lost so far by steps of (rows, D) that took a D with a graph instead of the best D, which had none
+        # (``prefer_captured``)
+        self._owed: dict[tuple[int, int], float] = {}
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
         self.timed = True
@@ -330,7 +338,12 @@ class DraftLenPolicy:
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
             if captured is not None:
-                best = prefer_captured(tokens, seconds, d, best, captured)
+                key = (len(requests), best)
+                best, lost = prefer_captured(tokens, seconds, d, best, captured, self._owed.get(key, 0.0))
+                if lost:
+                    self._owed[key] = self._owed.get(key, 0.0) + lost
+                else:
+                    self._owed.pop(key, None)
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
                 self.probe_after = PROBE_AFTER
