@@ -305,3 +305,35 @@ def test_chat_applies_template(llm):
 def test_unknown_llm_argument(model_dir):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(model_dir, max_num_seq=3)
+
+
+def test_a_steps_tokens_are_appended_up_to_the_one_that_ends_the_request():
+    """``Request.append_tokens`` (one call a row a step) keeps the tokens up to the first stop token, the
+    ``max_tokens``-th output token or the ``max_total_tokens``-th token, and finishes the request there, as
+    appending them one at a time does; a thinking phase follows the tokens kept."""
+    from specserve.core.request import Request
+
+    def req(max_tokens=None, max_total=100, stop=(9,), eos=(2,), ignore_eos=False):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=list(stop), ignore_eos=ignore_eos)
+        return Request("r", None, [1, 3, 4], sp, max_total, eos, thinking_tokens=(50, 51))
+
+    for tokens, kw, kept, reason, stop_reason in (
+            ([5, 6, 7], {}, [5, 6, 7], None, None),
+            ([5, 9, 7], {}, [5, 9], "stop", 9),  # a stop token id: reported as the stop reason
+            ([5, 2, 7], {}, [5, 2], "stop", None),  # EOS
+            ([5, 2, 7], dict(ignore_eos=True), [5, 2, 7], None, None),
+            ([5, 6, 7], dict(max_tokens=2), [5, 6], "length", None),
+            ([5, 6, 7], dict(max_total=5), [5, 6], "length", None),
+            ([5, 9, 7], dict(max_tokens=2), [5, 9], "stop", 9),  # a stop at the limit is a stop
+            ([50, 6, 51], {}, [50, 6, 51], None, None)):
+        one, many = req(**kw), req(**kw)
+        for t in tokens:
+            if not one.finished:
+                one.append_token(t)
+        assert many.append_tokens(tokens) == len(kept)
+        assert many.output_token_ids == one.output_token_ids == kept, (tokens, kw)
+        assert many.finish_reason == one.finish_reason == reason and many.stop_reason == stop_reason
+    r = req()
+    r.append_tokens([5, 50, 6])
+    assert r.thinking and not (r.append_tokens([51, 7]) and r.thinking)
+

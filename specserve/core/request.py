@@ -131,16 +131,36 @@ class Request:
 
     def append_token(self, token: int) -> None:
         """Add one generated token and finish the request if it ends generation."""
-        self.token_ids.append(token)
-        self._track_thinking(token)
+        self.append_tokens([token])
+
+    def append_tokens(self, tokens: list[int]) -> int:
+        """Add a step's generated tokens in order, up to the first that ends generation (a stop token, the
+        ``max_tokens``-th output token, or the ``max_total_tokens``-th token), finishing the request there -> how
+        many were added. One call a row a step: at 128 rows a Python call per token was a tenth of the host's
+        step."""
+        if not tokens:
+            return 0
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.perf_counter()
-        if token in self.stop_ids:
-            self.finish("stop", None if token not in self.params.stop_token_ids else token)
-        elif self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens:
+        room = self.max_total_tokens - len(self.token_ids)  # tokens until the length limit (at least the one)
+        if self.params.max_tokens is not None:
+            room = min(room, self.params.max_tokens - self.num_output_tokens)
+        n = min(len(tokens), max(room, 1))
+        stops = self.stop_ids
+        stop = next((i for i in range(n) if tokens[i] in stops), None) if stops else None
+        if stop is not None:
+            n = stop + 1
+        new = tokens[:n] if n < len(tokens) else tokens
+        self.token_ids.extend(new)
+        if max(self.thinking_tokens) >= 0:
+            for tok in new:
+                self._track_thinking(tok)
+        if stop is not None:
+            tok = new[-1]
+            self.finish("stop", None if tok not in self.params.stop_token_ids else tok)
+        elif n >= room:
             self.finish("length")
-        elif self.num_tokens >= self.max_total_tokens:
-            self.finish("length")
+        return n
 
 
 @dataclass

@@ -351,17 +351,18 @@ class LLMEngine:
             req = entry.request
             if req.finished:  # aborted while its step ran
                 continue
-            appended = []
-            per_token = bool(req.params.stop)  # a stop string can end the request at any token of the step
-            for j, tok in enumerate(res.tokens):
-                req.append_token(tok)
-                appended.append(tok)
-                if req.logprobs is not None and res.logprobs is not None:
-                    req.logprob_rows.append(res.logprobs[j])
-                if per_token:
+            if req.params.stop:  # a stop string can end the request at any token of the step
+                appended = []
+                for tok in res.tokens:
+                    req.append_token(tok)
+                    appended.append(tok)
                     self._detokenize(req, [tok])
-                if req.finished:
-                    break
+                    if req.finished:
+                        break
+            else:
+                appended = res.tokens[:req.append_tokens(res.tokens)]
+            if req.logprobs is not None and res.logprobs is not None:
+                req.logprob_rows += res.logprobs[:len(appended)]
             # drafts that could only land past the request's last allowed token are not verified
             room = max(0, req.max_total_tokens - req.num_tokens - 1)
             req.spec_token_ids, req.spec_parents = ([], None) if req.finished else res.next_drafts(room)
