@@ -337,3 +337,19 @@ def test_a_steps_tokens_are_appended_up_to_the_one_that_ends_the_request():
     r.append_tokens([5, 50, 6])
     assert r.thinking and not (r.append_tokens([51, 7]) and r.thinking)
 
+
+def test_an_engine_freezes_its_start_heap_and_one_dropped_since_is_collected(model_dir):
+    """An engine moves the objects of its start out of the collector's reach (``gc.freeze``: a full collection
+    walked them inside a step); the next engine's start gives them back, so an engine dropped in between, cycles
+    and all, is collected (its device memory with it)."""
+    import gc
+    import weakref
+
+    first = make_llm(model_dir)
+    assert gc.get_freeze_count() > 0
+    ref = weakref.ref(first.engine)
+    first.engine.cycle = first.engine  # only the collector can free it
+    del first
+    second = make_llm(model_dir)
+    assert ref() is None
+    assert second.generate(PROMPTS[0], GREEDY)[0].token_ids
