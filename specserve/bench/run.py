@@ -2,15 +2,17 @@
 
 Every run generates up to ``max_tokens`` new tokens per request (exactly that many with ``ignore_eos``, as
 vLLM's benchmarks spell it; otherwise each request stops at its end-of-sequence token, as a user's would, and
-tokens/s counts the tokens generated) for max(batch, prompts) requests submitted together, at most ``batch`` of them in flight (offline, continuous batching with
-``max_num_seqs = batch``): batch 1 runs every prompt one after another, so acceptance figures cover the whole
-prompt set whatever the batch size. transformers runs the same requests in static batches of ``batch``. Each configuration is
+tokens/s counts the tokens generated) for max(batch, prompts) requests submitted together, at most ``batch`` of them
+in flight (offline, continuous batching with ``max_num_seqs = batch``): batch 1 runs every prompt one after another,
+so acceptance figures cover the whole prompt set whatever the batch size. transformers runs the same requests in
+static batches of ``batch``. Each configuration is
 warmed up once per batch size (CUDA-graph capture, Triton compilation, allocator growth), then timed
 ``repeats`` times with the device synchronised; the reported run is the one with the median wall time (of an
-even number, the slower middle one). With ``rounds`` > 1 the specserve engines run alternately that many times
-(each built, warmed up and timed afresh), and each row reports the round with the median tokens/s (of an even
-number, the faster middle one: a row is one real round); the ratios add the median of the per-round ratios
-(of an even number, the mean of the middle two),
+even number, the faster middle one: a pause of the host, such as another tenant's work, only ever slows a run, and
+with two runs the slower one reported such a pause as the engine's speed). With ``rounds`` > 1 the specserve
+engines run alternately that many times (each built, warmed up and timed afresh), and each row reports the round
+with the median tokens/s (of an even number, the faster middle one: a row is one real round); the ratios add the
+median of the per-round ratios (of an even number, the mean of the middle two),
 since the machine's speed drifts between one engine's runs and the other's.
 """
 
@@ -241,7 +243,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                 runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats,
                                  hit_rate=eng.pool.hit_rate, captured=_captured(eng) - graphs0))
         runs.sort(key=lambda x: x["seconds"])
-        med = runs[len(runs) // 2]
+        med = runs[(len(runs) - 1) // 2]  # the median run; of an even number the faster middle one
         outs, st = med["outs"], med["stats"]
         # TTFT from admission: every request is submitted at once and waits for one of the b slots, which a
         # client at concurrency b would not count (the wait is reported apart as queue time)
