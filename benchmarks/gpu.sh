@@ -59,6 +59,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                adaptive draft length (D in 0..4 each step), side by side; 420 s
   adaptiverand the same with random weights and a random head (random:smollm2-135m, which accepts nearly nothing):
                no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
+  trace        benchmarks/step_trace.py: each step of the chat prompts at TRACE_BATCH (64) rows, engine by engine of
+               TRACE_MODES ("plain 4 2 adaptive"): its time, D, graph layouts, captures and eager steps; 300 s
   server       `specserve serve` under load (benchmarks/bench_server.py): 512 streamed chat requests of 128 tokens
                at 64 and 256 concurrent clients, speculation off and on: requests/s, TTFT and TPOT (FastAPI,
                uvicorn, pydantic and opentelemetry-api travel as wheels in .whl/); 300 s
@@ -287,6 +289,8 @@ for st in "$@"; do
     adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
                     --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
                     --repeats 3 --out $OUT/adaptiverand | tail -24 ;;
+    trace) need_model && timeout "$(lim 300)" python3 benchmarks/step_trace.py --model $M --draft $HEAD \
+             --batch "${TRACE_BATCH:-64}" --modes ${TRACE_MODES:-plain 4 2 adaptive} 2>&1 | quiet | tail -80 ;;
     server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \
               --device cuda --concurrency 64 256 --requests 512 --max-tokens 128 --json $OUT/server.json \
               --serve-args="--kv-cache-memory ${KV:-8000000000} --max-num-seqs 256" 2>&1 | tail -30 ;;

@@ -1,0 +1,105 @@
+"""Each engine step of a workload, traced: its wall time, rows, draft length, graph layouts, and whether it captured a
+graph or ran eagerly (packed) -- what a throughput figure alone cannot tell apart (a capture mid-run, an eager step,
+a slow host). One engine per mode, each running the chat prompts at one batch size: a warm-up run, then ``--runs``
+timed runs; the last is traced.
+
+    python benchmarks/step_trace.py --model /root/model.gguf --draft specserve/heads/smollm2-135m-eagle3 \\
+        --batch 64 --modes plain 4 2 adaptive
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.bench.prompts import DEFAULT_PROMPTS
+
+
+def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> tuple[float, list[dict]]:
+    """-> (the last run's seconds, a record per step of it)."""
+    eng = llm.engine
+    runner, graphs = eng.runner, eng.runner.graphs
+    cur: dict = {}
+    launch, run, step = runner._launch, graphs.run if graphs is not None else None, eng._step
+
+    def traced_run(key, fn, rerun=True):
+        cur["captures"] += key not in graphs._graphs
+        cur["layouts"].append(key[0])
+        return run(key, fn, rerun)
+
+    def traced_launch(sub, layout):
+        cur["eager"] += layout is None
+        return launch(sub, layout)
+
+    trace: list[dict] = []
+
+    def traced_step():
+        cur.update(captures=0, eager=0, layouts=[])
+        t0 = time.perf_counter()
+        out = step()
+        spec = runner.speculator
+        trace.append(dict(seconds=time.perf_counter() - t0, rows=len(eng.scheduler.running),
+                          draft_len=spec.step_draft_len if spec is not None else None, **cur))
+        return out
+
+    runner._launch, eng._step = traced_launch, traced_step
+    if graphs is not None:
+        graphs.run = traced_run
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    for _ in range(runs + 1):
+        trace.clear()
+        sync()
+        t0 = time.perf_counter()
+        llm.generate(batch, sp, use_tqdm=False)
+        sync()
+        seconds = time.perf_counter() - t0
+    return seconds, trace
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", default=None, help="the head folder (modes other than plain)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", default=["plain", "4", "adaptive"],
+                    help="plain, a fixed draft length, or adaptive (D in 0..--draft-len each step)")
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--show", type=int, default=8, help="steps printed one by one")
+    a = ap.parse_args()
+    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    for mode in a.modes:
+        spec = None
+        if mode != "plain":
+            spec = dict(method="eagle3", draft_model=a.draft, max_draft_len=a.draft_len,
+                        adaptive_draft_len=mode == "adaptive")
+            if mode != "adaptive":
+                spec["max_draft_len"] = int(mode)
+        llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec)
+        tok = llm.engine.tokenizer
+        ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if tok.has_chat_template else tok.encode(t)
+               for t in DEFAULT_PROMPTS]
+        seconds, trace = trace_engine(llm, [{"prompt_token_ids": ids[i % len(ids)]} for i in range(a.batch)], sp,
+                                      a.runs)
+        print(f"=== {mode}, batch {a.batch}: {seconds * 1e3:.1f} ms, {len(trace)} steps")
+        by = collections.defaultdict(list)
+        for t in trace:
+            by[(t["draft_len"], t["eager"], t["captures"])].append(t["seconds"])
+        for (d, eager, cap), times in sorted(by.items(), key=str):
+            print(f"  D={d} eager={eager} captures={cap}: {len(times)} steps, median "
+                  f"{statistics.median(times) * 1e3:.3f} ms, {sum(times) * 1e3:.1f} ms in all")
+        for t in trace[:a.show]:
+            lay = ", ".join(f"{x.rows}x{x.q}/{x.table_width}{' prefill' if x.prefill else ''}" for x in t["layouts"])
+            print(f"  {t['seconds'] * 1e3:7.3f} ms  rows {t['rows']}  D {t['draft_len']}  [{lay}]"
+                  f"{'  eager' if t['eager'] else ''}{'  capture' if t['captures'] else ''}")
+        del llm
+
+
+if __name__ == "__main__":
+    main()
