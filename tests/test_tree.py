@@ -218,6 +218,11 @@ def test_tree_settings_are_checked():
             SpeculativeConfig(**{"draft_model": "random", "max_draft_len": 4, **bad})
     with pytest.raises(ValueError, match="both"):
         SpeculativeConfig.from_value(dict(draft_model="random", topk=2, eagle_topk=3))
+    # vLLM's and TensorRT-LLM's spellings of the head's folder
+    for key in ("model", "speculative_model_dir"):
+        assert SpeculativeConfig.from_value({key: "random", "method": "eagle3"}).draft_model == "random"
+    with pytest.raises(ValueError, match="both"):
+        SpeculativeConfig.from_value(dict(draft_model="random", model="other"))
 
 
 @pytest.mark.parametrize("head,shape", [("eagle3", (2, 3, 6)), ("mtp", (2, 3, 6)), ("eagle3", (4, 4, 20))],

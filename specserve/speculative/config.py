@@ -14,7 +14,8 @@ MAX_TREE_NODES = 63  # a tree's nodes, and a tree step's expanded nodes: one bit
 # steps of more rows draft chains (``tree_max_batch_size``): past a few rows a verify step's cost grows with its tokens
 TREE_MAX_BATCH = 8
 # other projects' spellings of the fields (SGLang, TensorRT-LLM, vLLM), accepted in a speculative_config dict
-ALIASES = {"num_speculative_tokens": "max_draft_len", "eagle_topk": "topk", "dynamic_tree_max_topK": "topk"}
+ALIASES = {"model": "draft_model", "speculative_model_dir": "draft_model", "num_speculative_tokens": "max_draft_len",
+           "eagle_topk": "topk", "dynamic_tree_max_topK": "topk"}
 
 
 @dataclass
@@ -26,7 +27,8 @@ class SpeculativeConfig:
         multi-token-prediction modules on the target's final hidden state). None (the default): what the
         head folder's config.json or tensor names say it is (``checkpoint.head_kind``), else ``"eagle3"``;
         a method given explicitly overrides the folder's (with a warning when they differ).
-      draft_model: folder holding the head (config.json + *.safetensors in the EAGLE-3 or MTP layout).
+      draft_model: folder holding the head (config.json + *.safetensors in the EAGLE-3 or MTP layout); also
+        spelled ``model`` (vLLM) and ``speculative_model_dir`` (TensorRT-LLM).
       max_draft_len: D, drafts proposed per step (each step verifies D + 1 tokens).
       eagle3_layers_to_capture: target layers whose *outputs* (residual stream after the layer) feed an
         EAGLE-3 head. Default: ``(1, L//2 - 1, L - 4)``. Checkpoints from other tools store the
