@@ -56,7 +56,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   overlaprand  the overlap stage's runs without the real model: random weights of its shapes and a random head with
                FORCED acceptance (2.58), 128-token random prompts; 420 s
   adaptive     the 16 chat prompts at batches 1 8 32 64 128: no speculation, chains of fixed D = 1 2 3 4 and the
-               adaptive draft length (D in 0..4 each step), side by side; 420 s
+               adaptive draft length (D in 0..4 each step), side by side (--interleave: the engines' timed runs in
+               turn at each batch size); 420 s
   adaptiverand the same with random weights and a random head (random:smollm2-135m, which accepts nearly nothing):
                no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
   trace        benchmarks/step_trace.py: each step of the chat prompts at TRACE_BATCH (64) rows, engine by engine of
@@ -285,10 +286,10 @@ for st in "$@"; do
                    --out $OUT/overlaprand | tail -40 ;;
     adaptive) need_model && bench "$(lim 420)" --model $M --draft $HEAD --draft-len 4 --fixed-draft-lens 1 2 3 \
                 --adaptive-draft-len --batch-size 1 8 32 64 128 --max-tokens 256 --num-prompts 16 \
-                --repeats "${REPEATS:-3}" --out $OUT/adaptive | tail -40 ;;
+                --repeats "${REPEATS:-3}" --interleave --out $OUT/adaptive | tail -40 ;;
     adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
                     --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
-                    --repeats 3 --out $OUT/adaptiverand | tail -24 ;;
+                    --repeats 3 --interleave --out $OUT/adaptiverand | tail -24 ;;
     trace) need_model && timeout "$(lim 300)" python3 benchmarks/step_trace.py --model $M --draft $HEAD \
              --batch "${TRACE_BATCH:-64}" --modes ${TRACE_MODES:-plain 4 2 adaptive} 2>&1 | quiet | tail -80 ;;
     server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \

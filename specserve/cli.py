@@ -273,6 +273,10 @@ def _bench_parser(sub) -> None:
                    help="run the specserve engines alternately this many times (without, then with speculation), "
                         "each built, warmed up and timed --repeats times afresh; rows report the median round, ratios "
                         "also the median of the per-round ratios (a machine's speed drifts between runs)")
+    b.add_argument("--interleave", action="store_true",
+                   help="build the specserve engines together and run them side by side: at each batch size every "
+                        "engine's warm-up, then their timed runs in turn, so that a drift of the machine's speed "
+                        "reaches them alike (each engine holds its own KV cache meanwhile)")
     b.add_argument("--compare", nargs="*", default=[], choices=["hf", "hf-compile"],
                    help="also run transformers generate (eager / static cache + torch.compile) in this process")
     b.add_argument("--enforce-eager", action="store_true")
@@ -320,7 +324,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           num_prompts=a.num_prompts, batch_sizes=a.batch_size, max_tokens=a.max_tokens,
                           ignore_eos=a.ignore_eos, speculative=a.speculative, method=a.method, draft=a.draft, draft_len=a.draft_len,
                           forced_acceptance=a.forced_acceptance, dtype=a.dtype, device=a.device, repeats=a.repeats,
-                          rounds=a.rounds, compare=a.compare, enforce_eager=a.enforce_eager,
+                          rounds=a.rounds, interleave=a.interleave, compare=a.compare, enforce_eager=a.enforce_eager,
                           async_output=False if a.disable_async_output_proc else None, overlap=a.overlap,
                           trees=a.trees, fixed_draft_lens=a.fixed_draft_lens, adaptive=a.adaptive_draft_len,
                           prefix_caching=a.prefix_caching, shared_prefix_len=a.shared_prefix_len,

@@ -72,6 +72,38 @@ def test_bench_rounds_alternate_the_engines_and_report_the_median_round(dirs):
         BenchConfig(rounds=0)
 
 
+def test_interleaved_engines_run_side_by_side_and_report_as_alone(dirs, tmp_path, monkeypatch):
+    """--interleave: every engine's warm-up at a batch size, then the timed runs in turn; the rows are those of
+    engines run one after the other (greedy tokens, requests, runs), engine by engine."""
+    import specserve.bench.run as bench_run
+
+    order, real = [], bench_run.EngineRun.run
+
+    def spy(self, b, timed=True):
+        order.append((self.kind, b, timed))
+        return real(self, b, timed)
+
+    monkeypatch.setattr(bench_run.EngineRun, "run", spy)
+    kinds = [False, True, "chain D=1"]
+    assert main(["bench", "--model", str(dirs / "target"), "--draft", str(dirs / "eagle3"), "--draft-len", "2",
+                 "--fixed-draft-lens", "1", "--num-prompts", "3", "--max-tokens", "5", "--batch-size", "1", "2",
+                 "--repeats", "2", "--interleave", "--device", "cpu", "--dtype", "float32",
+                 "--out", str(tmp_path)]) == 0
+    side = json.loads((tmp_path / "bench.json").read_text())
+    assert order == [x for b in (1, 2) for x in [(k, b, False) for k in kinds] +
+                     [(k, b, True) for _ in range(2) for k in kinds]]
+    order.clear()
+    alone = run_bench(BenchConfig(model=str(dirs / "target"), draft=str(dirs / "eagle3"), draft_len=2,
+                                  fixed_draft_lens=[1], num_prompts=3, max_tokens=5, batch_sizes=[1, 2], repeats=2,
+                                  device="cpu", dtype="float32"))
+    assert order == [(k, b, t) for k in kinds for b in (1, 2) for t in (False, True, True)]
+
+    def key(r):
+        return r["speculative"], r["batch"], r["requests"], r["first_tokens"], len(r["all_seconds"])
+    assert [key(r) for r in side["rows"]] == [key(r) for r in alone["rows"]]
+    assert len(side["rows"]) == 6
+
+
 def test_bench_reports_graphs_captured_during_timed_runs(dirs, monkeypatch):
     """A graph captured inside a timed run (one the warm-up did not meet) is in that run's time: the row counts
     them and the table says so; a run without captures says nothing."""

@@ -60,6 +60,7 @@ class BenchConfig:
     device: str | None = None
     repeats: int = 3
     rounds: int = 1  # specserve engines run alternately this many times (no speculation, speculation, ...)
+    interleave: bool = False  # the specserve engines built together, their timed runs in turn at each batch size
     compare: list[str] = field(default_factory=list)  # hf, hf-compile
     enforce_eager: bool = False
     async_output: bool | None = None  # None: the engine's default (on CUDA)
@@ -183,67 +184,77 @@ def _spec_config(cfg: BenchConfig) -> dict | None:
     return spec
 
 
-def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
-                    overlap: bool = True, tree: str | None = None, caching: bool = True) -> list[dict]:
-    """One engine (speculation off, the chain, or ``tree``: a draft tree "KxDxN", a chain "D=k" of k drafts, or
-    "adaptive", a chain whose draft length each step chooses) at every batch size -> rows; a row's
-    ``speculative`` is False, True (the chain) or "tree KxDxN" / "chain D=k" / "adaptive"."""
-    from specserve import LLM, SamplingParams
-    from specserve.bench.steps import target_read_bytes
-    from specserve.core.metrics import SpecStats
+class EngineRun:
+    """One specserve engine of a benchmark (speculation off, the chain, or ``tree``: a draft tree "KxDxN", a chain
+    "D=k" of k drafts, or "adaptive", a chain whose draft length each step chooses), built once; ``run`` times one
+    run at a batch size, ``row`` makes the figures of a batch size's runs (``bar``: a progress bar shared by several
+    engines, else one of its own)."""
 
-    max_b = max(cfg.batch_sizes)
-    kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
-              async_output=cfg.async_output, overlap_scheduler=overlap, enable_prefix_caching=caching,
-              max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
-              max_cuda_graph_batch_size=max_b, attention_backend=cfg.attention_backend)
-    if cfg.kv_cache_memory_bytes:
-        kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-    depth = cfg.draft_len
-    if spec:
-        kw["speculative_config"] = sc = _spec_config(cfg)
-        if tree == "adaptive":
-            sc.update(adaptive_draft_len=True)
-        elif tree is not None and tree.startswith("D="):
-            depth = int(tree[2:])
-            sc.update(max_draft_len=depth)
-        elif tree is not None:
-            sc.update(tree_config(tree))
-            depth = sc["max_draft_len"]
-    kind = tree if tree == "adaptive" else ("chain " + tree) if tree and tree.startswith("D=") else \
-        ("tree " + tree) if tree else spec
-    # one tick per timed run (warm-ups included), on stderr: a run killed by a time limit shows where it was
-    bar = _progress(f"specserve spec={spec_label(kind)}{'' if overlap else ' no overlap'}"
-                    f"{'' if caching else ' no prefix cache'}{label}", len(cfg.batch_sizes) * (cfg.repeats + 1))
-    bar.set_postfix_str("loading")
-    llm = LLM(cfg.model, **kw)
-    eng = llm.engine
-    dev = eng.device
-    target_bytes = target_read_bytes(eng.model)  # read once per engine step
-    head = eng.head
-    sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
-    rows = []
-    for b in cfg.batch_sizes:
-        batch = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(max(b, len(prompt_ids)))]
+    def __init__(self, cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
+                 overlap: bool = True, tree: str | None = None, caching: bool = True, bar=None) -> None:
+        from specserve import LLM, SamplingParams
+        from specserve.bench.steps import target_read_bytes
+
+        max_b = max(cfg.batch_sizes)
+        kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
+                  async_output=cfg.async_output, overlap_scheduler=overlap, enable_prefix_caching=caching,
+                  max_num_batched_tokens=max(2048, max(len(p) for p in prompt_ids) + 1),
+                  max_cuda_graph_batch_size=max_b, attention_backend=cfg.attention_backend)
+        if cfg.kv_cache_memory_bytes:
+            kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        self.depth = cfg.draft_len
+        if spec:
+            kw["speculative_config"] = sc = _spec_config(cfg)
+            if tree == "adaptive":
+                sc.update(adaptive_draft_len=True)
+            elif tree is not None and tree.startswith("D="):
+                self.depth = int(tree[2:])
+                sc.update(max_draft_len=self.depth)
+            elif tree is not None:
+                sc.update(tree_config(tree))
+                self.depth = sc["max_draft_len"]
+        self.kind = tree if tree == "adaptive" else ("chain " + tree) if tree and tree.startswith("D=") else \
+            ("tree " + tree) if tree else spec
+        self.cfg, self.prompt_ids, self.spec, self.caching = cfg, prompt_ids, spec, caching
+        self.name = (f"specserve spec={spec_label(self.kind)}{'' if overlap else ' no overlap'}"
+                     f"{'' if caching else ' no prefix cache'}{label}")
+        # one tick per run (warm-ups included), on stderr: a run killed by a time limit shows where it was
+        self.bar = bar or _progress(self.name, len(cfg.batch_sizes) * (cfg.repeats + 1))
+        self.own_bar = bar is None
+        self.bar.set_postfix_str(f"loading {self.name}")
+        self.llm = LLM(cfg.model, **kw)
+        self.eng = self.llm.engine
+        self.target_bytes = target_read_bytes(self.eng.model)  # read once per engine step
+        self.sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
+
+    def run(self, b: int, timed: bool = True) -> dict:
+        """One run of max(b, prompts) requests at most ``b`` in flight (a warm-up where not ``timed``) -> its
+        seconds, outputs, steps, counts, prefix hit rate and graphs captured."""
+        from specserve.core.metrics import SpecStats
+
+        eng, dev = self.eng, self.eng.device
+        batch = [{"prompt_token_ids": self.prompt_ids[i % len(self.prompt_ids)]}
+                 for i in range(max(b, len(self.prompt_ids)))]
         eng.scheduler.cfg.max_num_seqs = b  # at most b requests in flight (the engine was sized for the largest)
-        head_bytes = head.draft_read_bytes(depth, b) if head is not None else 0  # per draft loop (a tree's: more)
-        runs = []
-        for r in range(cfg.repeats + 1):  # the first is the warm-up
-            eng.spec_stats = SpecStats()
-            eng.pool.reset_cache()  # every run computes its prompts afresh (but for what it shares within itself)
-            steps0, graphs0 = eng.num_steps, _captured(eng)
-            _sync(dev)
-            t0 = time.perf_counter()
-            bar.set_postfix_str(f"batch {b}" + (f" run {r}/{cfg.repeats}" if r else " warm-up"))
-            outs = _conversations(llm, batch, sp, cfg)
-            _sync(dev)
-            dt = time.perf_counter() - t0
-            bar.update()
-            if r:
-                runs.append(dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats,
-                                 hit_rate=eng.pool.hit_rate, captured=_captured(eng) - graphs0))
-        runs.sort(key=lambda x: x["seconds"])
-        med = runs[(len(runs) - 1) // 2]  # the median run; of an even number the faster middle one
+        eng.spec_stats = SpecStats()
+        eng.pool.reset_cache()  # every run computes its prompts afresh (but for what it shares within itself)
+        steps0, graphs0 = eng.num_steps, _captured(eng)
+        self.bar.set_postfix_str(f"{self.name}: batch {b}" + ("" if timed else " warm-up"))
+        _sync(dev)
+        t0 = time.perf_counter()
+        outs = _conversations(self.llm, batch, self.sp, self.cfg)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        self.bar.update()
+        return dict(seconds=dt, outs=outs, steps=eng.num_steps - steps0, stats=eng.spec_stats,
+                    hit_rate=eng.pool.hit_rate, captured=_captured(eng) - graphs0)
+
+    def row(self, b: int, runs: list[dict]) -> dict:
+        """The figures of batch size ``b`` from its timed ``runs``: the median run's (of an even number the faster
+        middle one: a pause of the host only ever slows a run)."""
+        eng = self.eng
+        runs = sorted(runs, key=lambda x: x["seconds"])
+        med = runs[(len(runs) - 1) // 2]
         outs, st = med["outs"], med["stats"]
         # TTFT from admission: every request is submitted at once and waits for one of the b slots, which a
         # client at concurrency b would not count (the wait is reported apart as queue time)
@@ -251,32 +262,76 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
                 if o.timings().get("ttft_s") is not None and o.timings().get("queue_s") is not None]
         tpot = [o.timings()["tpot_s"] * 1e3 for o in outs if o.timings().get("tpot_s") is not None]
         n_tok = sum(len(o.token_ids) for o in outs)
-        row = dict(engine="specserve", speculative=kind, overlap=eng.overlap, prefix_caching=caching,
-                   prefix_hit_rate=med["hit_rate"], batch=b, requests=len(outs), turns=cfg.turns,
+        head = eng.head
+        head_bytes = head.draft_read_bytes(self.depth, b) if head is not None else 0  # per draft loop (a tree's: more)
+        row = dict(engine="specserve", speculative=self.kind, overlap=eng.overlap, prefix_caching=self.caching,
+                   prefix_hit_rate=med["hit_rate"], batch=b, requests=len(outs), turns=self.cfg.turns,
                    new_tokens=round(n_tok / len(outs), 1),
-                   seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs], tokens_per_s=n_tok / med["seconds"],
+                   seconds=med["seconds"], all_seconds=[x["seconds"] for x in runs],
+                   tokens_per_s=n_tok / med["seconds"],
                    steps=med["steps"], step_ms=med["seconds"] / max(1, med["steps"]) * 1e3,
                    ttft_ms={p: _pct(ttft, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
                    tpot_ms={p: _pct(tpot, q) for p, q in (("p50", .5), ("p90", .9), ("p99", .99))},
-                   weight_bytes=target_bytes + head_bytes,
+                   weight_bytes=self.target_bytes + head_bytes,
                    # weight bytes read per engine step (target once, the draft loop's D steps; KV reads not
                    # counted): a lower bound on traffic
-                   achieved_weight_gbps=(target_bytes + head_bytes) * med["steps"] / med["seconds"] / 1e9,
+                   achieved_weight_gbps=(self.target_bytes + head_bytes) * med["steps"] / med["seconds"] / 1e9,
                    first_tokens=outs[0].token_ids[:16],
                    graphs=eng.runner.graphs.num_captured if eng.runner.graphs is not None else 0,
                    # captured inside the timed runs (an eager step and a capture each, in their times)
                    timed_captures=sum(x["captured"] for x in runs))
-        if spec:
+        if self.spec:
             row.update(acceptance_length=st.acceptance_length, per_position_acceptance=st.per_position,
-                       draft_len=depth, forced_acceptance=cfg.forced_acceptance,
+                       draft_len=self.depth, forced_acceptance=self.cfg.forced_acceptance,
                        steps_by_draft_len=st.steps_by_draft_len)
-        rows.append(row)
-        log.info("specserve spec=%s batch=%d: %.1f tok/s", spec_label(kind), b, row["tokens_per_s"])
-    bar.close()
-    del llm, eng
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        log.info("%s batch=%d: %.1f tok/s", self.name, b, row["tokens_per_s"])
+        return row
+
+    def close(self) -> None:
+        if self.own_bar:
+            self.bar.close()
+        dev = self.eng.device
+        del self.llm, self.eng
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
+                    overlap: bool = True, tree: str | None = None, caching: bool = True) -> list[dict]:
+    """One engine (``EngineRun``) at every batch size, a warm-up and ``repeats`` timed runs each -> rows; a row's
+    ``speculative`` is False, True (the chain) or "tree KxDxN" / "chain D=k" / "adaptive"."""
+    engine = EngineRun(cfg, prompt_ids, spec, label, overlap, tree, caching)
+    rows = []
+    for b in cfg.batch_sizes:
+        engine.run(b, timed=False)
+        rows.append(engine.row(b, [engine.run(b) for _ in range(cfg.repeats)]))
+    engine.close()
     return rows
+
+
+def bench_interleaved(cfg: BenchConfig, prompt_ids: list[list[int]], engines: list[tuple], label: str = "") \
+        -> list[dict]:
+    """The engines of ``engines`` ((spec, tree, overlap, caching) each) built together and run side by side: at each
+    batch size every engine's warm-up, then the timed runs in turn (engine 1, 2, ..., 1, 2, ...), so that a drift of
+    the machine's speed reaches each engine's runs alike -> rows, engine by engine."""
+    bar = _progress(f"specserve, {len(engines)} engines side by side{label}",
+                    len(engines) * len(cfg.batch_sizes) * (cfg.repeats + 1))
+    runs = [EngineRun(cfg, prompt_ids, spec, label, overlap, tree, caching, bar=bar)
+            for spec, tree, overlap, caching in engines]
+    rows: list[list[dict]] = [[] for _ in runs]
+    for b in cfg.batch_sizes:
+        for e in runs:
+            e.run(b, timed=False)
+        timed: list[list[dict]] = [[] for _ in runs]
+        for _ in range(cfg.repeats):
+            for e, mine in zip(runs, timed):
+                mine.append(e.run(b))
+        for e, mine, out in zip(runs, timed, rows):
+            out.append(e.row(b, mine))
+    for e in runs:
+        e.close()
+    bar.close()
+    return [r for out in rows for r in out]
 
 
 def _conversations(llm, batch: list[dict], sp, cfg: BenchConfig) -> list:
@@ -337,11 +392,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         if True in order[cfg.speculative]:
             variants += [(True, t) for t in cfg.trees]
             variants += [(True, f"D={d}") for d in cfg.fixed_draft_lens] + [(True, "adaptive")] * cfg.adaptive
-        for spec, tree in variants:
-            for overlap in order[cfg.overlap][::-1]:
-                for caching in order[cfg.prefix_caching][::-1]:
-                    rows += bench_specserve(cfg, prompt_ids, spec, f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1
-                                            else "", overlap=overlap, tree=tree, caching=caching)
+        engines = [(spec, tree, overlap, caching) for spec, tree in variants
+                   for overlap in order[cfg.overlap][::-1] for caching in order[cfg.prefix_caching][::-1]]
+        label = f" round {i + 1}/{cfg.rounds}" if cfg.rounds > 1 else ""
+        if cfg.interleave:
+            rows += bench_interleaved(cfg, prompt_ids, engines, label)
+            continue
+        for spec, tree, overlap, caching in engines:
+            rows += bench_specserve(cfg, prompt_ids, spec, label, overlap=overlap, tree=tree, caching=caching)
     rows = median_rounds(rows)
     extras: dict = {}
     for c in cfg.compare:
