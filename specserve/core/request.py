@@ -90,8 +90,10 @@ class Request:
         # thinking phase after the last known token (relaxed acceptance): the last begin/end token wins
         self.thinking_tokens = thinking_tokens
         self.thinking = False
-        for tok in prompt_token_ids:
-            self._track_thinking(tok)
+        if max(thinking_tokens) >= 0:  # the prompt's last begin or end token (not a Python call per prompt token)
+            last = next((t for t in reversed(self.prompt_token_ids) if t in thinking_tokens), None)
+            if last is not None:
+                self._track_thinking(last)
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
