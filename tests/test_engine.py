@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specserve import LLM, SamplingParams
@@ -325,7 +327,9 @@ def test_a_steps_tokens_are_appended_up_to_the_one_that_ends_the_request():
             ([5, 6, 7], dict(max_tokens=2), [5, 6], "length", None),
             ([5, 6, 7], dict(max_total=5), [5, 6], "length", None),
             ([5, 9, 7], dict(max_tokens=2), [5, 9], "stop", 9),  # a stop at the limit is a stop
-            ([50, 6, 51], {}, [50, 6, 51], None, None)):
+            ([50, 6, 51], {}, [50, 6, 51], None, None),
+            ([5, 9, 50], {}, [5, 9], "stop", 9),  # the thinking phase follows only the tokens kept
+            ([5, 6], dict(max_total=3), [5], "length", None)):  # no room left: one token, as one at a time
         one, many = req(**kw), req(**kw)
         for t in tokens:
             if not one.finished:
@@ -333,23 +337,42 @@ def test_a_steps_tokens_are_appended_up_to_the_one_that_ends_the_request():
         assert many.append_tokens(tokens) == len(kept)
         assert many.output_token_ids == one.output_token_ids == kept, (tokens, kw)
         assert many.finish_reason == one.finish_reason == reason and many.stop_reason == stop_reason
+        assert many.thinking == one.thinking
     r = req()
     r.append_tokens([5, 50, 6])
-    assert r.thinking and not (r.append_tokens([51, 7]) and r.thinking)
+    assert r.thinking
+    r.append_tokens([51, 7])
+    assert not r.thinking
 
 
-def test_an_engine_freezes_its_start_heap_and_one_dropped_since_is_collected(model_dir):
+def test_an_engine_freezes_its_start_heap_and_one_dropped_since_is_collected(model_dir, tmp_path, monkeypatch):
     """An engine moves the objects of its start out of the collector's reach (``gc.freeze``: a full collection
-    walked them inside a step); the next engine's start gives them back, so an engine dropped in between, cycles
-    and all, is collected (its device memory with it)."""
+    walked them inside a step). A dropped engine, speculative included, is freed at once (no cycle holds it); one
+    that a cycle does hold is collected when the next engine starts, before that one loads its weights."""
     import gc
     import weakref
 
-    first = make_llm(model_dir)
+    import specserve.engine.llm_engine as llm_engine
+    from tiny_models import make_head
+
+    make_head(tmp_path / "eagle3", Path(model_dir), "eagle3", own_head=False, seed=1)
+    spec = make_llm(model_dir, speculative_config=dict(method="eagle3", draft_model=str(tmp_path / "eagle3"),
+                                                       max_draft_len=2, adaptive_draft_len=True))
     assert gc.get_freeze_count() > 0
+    ref = weakref.ref(spec.engine)
+    del spec
+    assert ref() is None  # freed by its reference count, frozen or not
+    first = make_llm(model_dir)
     ref = weakref.ref(first.engine)
     first.engine.cycle = first.engine  # only the collector can free it
     del first
+    seen, load = [], llm_engine.load_model
+
+    def spy(*args, **kw):
+        seen.append(ref())
+        return load(*args, **kw)
+
+    monkeypatch.setattr(llm_engine, "load_model", spy)
     second = make_llm(model_dir)
-    assert ref() is None
+    assert seen == [None]
     assert second.generate(PROMPTS[0], GREEDY)[0].token_ids

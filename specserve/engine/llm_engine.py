@@ -8,6 +8,7 @@ import gc
 import itertools
 import logging
 import random
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -50,7 +51,9 @@ class LLMEngine:
         """``tp`` and ``address``: given to the ranks other than 0 that rank 0 starts (``distributed.py``)."""
         # everything below reads the validated config only
         config = args.create_engine_config() if isinstance(args, EngineArgs) else args
-        gc.unfreeze()  # an engine dropped since the last one froze the heap can be collected (its GPU memory too)
+        if gc.get_freeze_count():  # an engine's start froze the heap: one dropped since is collected before this
+            gc.unfreeze()  # one loads its weights (its device memory with it)
+            gc.collect()
         self.tp, self.commands = self._join_ranks(args, config, tp, address)
         if self.commands is not None:
             atexit.register(self.shutdown)
@@ -126,7 +129,8 @@ class LLMEngine:
         # the draft length of each step (``speculative/draft_len.py``): its acceptance prior is the engine's counts
         self.draft_policy = speculator.policy if speculator is not None else None
         if self.draft_policy is not None:
-            self.draft_policy.prior = lambda: self.spec_stats
+            engine = weakref.ref(self)  # not a cycle: a dropped engine is freed at once, its device memory with it
+            self.draft_policy.prior = lambda: engine().spec_stats
             self.draft_policy.timed = not self.tp.active  # ranks' clocks differ; their choices must not
             options = speculator.cost_options(self.runner.graphs is not None)
             if options:  # rank 0's measurement: every rank chooses alike
@@ -140,8 +144,8 @@ class LLMEngine:
         self.families: dict[str, Family] = {}  # n > 1: the user's request id -> its completions
         self._ids = itertools.count()
         # the heap so far (modules, weights' wrappers, graphs: hundreds of thousands of objects) is static from here
-        # on: out of the collector's reach, a full collection no longer walks it (about 0.16 s on the development
-        # machine's CPU, paid inside a step whenever the objects a run makes trigger one), as vLLM does at start
+        # on: out of the collector's reach, so that a full collection, which the objects a run makes set off inside
+        # a step, no longer walks it (as vLLM does at start)
         gc.collect()
         gc.freeze()
 
