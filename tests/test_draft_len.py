@@ -209,6 +209,8 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert len(calls) > 10 and all(have[d] for d, have in calls if any(have))
     # steps where the best, D = 1, had no graph and another D had one (which they took)
     assert any(not have[1] and any(have) for _, have in calls[7:])
+    # their losses are counted by the graph's layout (padded rows, table width), which the runner names
+    assert policy._owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 for k in policy._owed)
 
 
 def test_draft_length_settings_are_checked():

@@ -149,6 +149,15 @@ def test_a_draft_length_without_a_graph_is_rented_until_the_rent_would_have_paid
     assert p.choose(rows[:99], captured=lambda d: d in (2, 4)) == 2  # other rows: a debt of their own
     assert p.choose(rows, captured=lambda d: d in (2, 4)) == 3  # now the capture has paid
     assert p.choose(rows, captured=lambda d: d in (2, 3, 4)) == 3 and not p._owed.get((100, 3))
+    # where the runner names the graph's layout (padded rows, table width), the rows that share it share a debt
+    shared = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
+    shared.timed = False
+
+    def in_layout(d):
+        return d in (2, 4)
+    in_layout.key = lambda: (104, 32)
+    chosen = [shared.choose(rows[:100 - i % 4], captured=in_layout) for i in range(rent + 1)]
+    assert chosen == [2] * rent + [3]
 
 
 def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypatch):

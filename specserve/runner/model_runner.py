@@ -180,17 +180,23 @@ class ModelRunner:
 
     def _generation_graphs(self, batch: SchedulerOutput) -> Callable[[int], bool]:
         """For the draft length's choice: whether a generation step of these rows that verifies and drafts s a row
-        costs no capture (``CudaGraphs.has``; False where the step is no generation graph step). The rows' padded
-        count and table width are computed once, on the first call."""
+        costs no capture (``CudaGraphs.has``; False where the step is no generation graph step); its ``key()``: the
+        graph's padded rows and table width (None where it is no such step), which every D's graph of the step
+        shares. Both computed once, on the first call."""
         layout: list[tuple[int, int] | None] = []
 
-        def has(s: int) -> bool:
+        def key() -> tuple[int, int] | None:
             if not layout:
                 sched = batch.scheduled
                 rows = None if self.graphs is None or not all(map(self._generation_row, sched)) else \
                     self.graphs.padded_rows(len(sched))
                 layout.append(None if rows is None else (rows, self._table_width(sched)))
-            return layout[0] is not None and self.graphs.has(GraphLayout(layout[0][0], 1 + s, layout[0][1]))
+            return layout[0]
+
+        def has(s: int) -> bool:
+            k = key()
+            return k is not None and self.graphs.has(GraphLayout(k[0], 1 + s, k[1]))
+        has.key = key
         return has
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,

@@ -59,9 +59,9 @@ SWITCH_GAIN = 0.02
 OBSERVE_WEIGHT = 0.25
 OBSERVE_CLIP = 1.5
 OBSERVE_DROP = 8.0
-# a D whose step has no CUDA graph yet costs a capture: an eager step, then the capture, 0.08-0.1 s on the GPU
-# machine with the kernels compiled (``benchmarks/capture_times.py``), a hundred steps or more. While another D has
-# its graph for the step, the best D's is captured only once the steps that took that other D instead lost this
+# a D whose step has no CUDA graph yet costs a capture: an eager step, then the capture, about this many seconds
+# with the kernels compiled (docs/BENCHMARKS.md, "What a capture costs"), a hundred steps or more. While another D
+# has its graph for the step, the best D's is captured only once the steps that took that other D instead lost this
 # many seconds against it (renting until the rent paid would have bought it: never more than twice the best cost)
 CAPTURE_SECONDS = 0.1
 # after this many steps in a row that the adaptive rule gave D = 0 one step drafts again: a batch at D = 0
@@ -284,9 +284,9 @@ class DraftLenPolicy:
         # the last expected tokens and what they were computed from: a step at D = 0 changes no request's counts,
         # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
         self._tokens_memo: _TokensMemo | None = None
-        # seconds lost so far by steps of (rows, D) that took a D with a graph instead of the best D, which had none
-        # (``prefer_captured``)
-        self._owed: dict[tuple[int, int], float] = {}
+        # seconds lost so far by steps of (a graph's rows and width, D) that took a D with a graph instead of the best
+        # D, which had none (``prefer_captured``)
+        self._owed: dict[tuple, float] = {}
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
         self.timed = True
@@ -330,15 +330,17 @@ class DraftLenPolicy:
     def choose(self, requests: list, generation: bool = False, captured: Callable[[int], bool] | None = None) -> int:
         """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
         verifies and samples (no prompt tokens); ``captured(D)``: whether the step has its graph with D drafts
-        (``prefer_captured``; None: no graph step)."""
+        (``prefer_captured``; None: no graph step), and where it has ``key()`` the graph's rows and table width, which
+        a rented D's losses are counted by (else by the rows)."""
         now = time.perf_counter()
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
             tokens = self._expected_tokens([r.spec_stats for r in requests])
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
-            if captured is not None:
-                key = (len(requests), best)
+            if captured is not None:  # the losses count per graph layout (``captured.key()``) where it has one
+                layout = captured.key() if hasattr(captured, "key") else None
+                key = (layout if layout is not None else len(requests), best)
                 best, lost = prefer_captured(tokens, seconds, d, best, captured, self._owed.get(key, 0.0))
                 if lost:
                     self._owed[key] = self._owed.get(key, 0.0) + lost

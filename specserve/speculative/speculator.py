@@ -202,6 +202,8 @@ class Speculator(SpeculatorBase):
         widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         if draft_len is None:
             has = None if captured is None else lambda d: captured(max(d, widest))
+            if has is not None and hasattr(captured, "key"):
+                has.key = captured.key
             draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), has)
         # where D varies, a step drafts as many as it verifies (at least): a batch size and table width then have
         # a graph per D (the start-up cost measurement captures those of its batch sizes), not one per (verified,
