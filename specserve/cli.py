@@ -276,7 +276,8 @@ def _bench_parser(sub) -> None:
     b.add_argument("--interleave", action="store_true",
                    help="build the specserve engines together and run them side by side: at each batch size every "
                         "engine's warm-up, then their timed runs in turn, so that a drift of the machine's speed "
-                        "reaches them alike (each engine holds its own KV cache meanwhile)")
+                        "reaches them alike (each engine holds its own KV cache meanwhile: without --kv-cache-memory "
+                        "they split the GPU's 90%%)")
     b.add_argument("--compare", nargs="*", default=[], choices=["hf", "hf-compile"],
                    help="also run transformers generate (eager / static cache + torch.compile) in this process")
     b.add_argument("--enforce-eager", action="store_true")

@@ -77,11 +77,12 @@ def test_interleaved_engines_run_side_by_side_and_report_as_alone(dirs, tmp_path
     engines run one after the other (greedy tokens, requests, runs), engine by engine."""
     import specserve.bench.run as bench_run
 
-    order, real = [], bench_run.EngineRun.run
+    order, shares, real = [], set(), bench_run.EngineRun.run
 
-    def spy(self, b, timed=True):
+    def spy(self, b, timed=True, note=""):
         order.append((self.kind, b, timed))
-        return real(self, b, timed)
+        shares.add(self.eng.cache_config.gpu_memory_utilization)
+        return real(self, b, timed, note)
 
     monkeypatch.setattr(bench_run.EngineRun, "run", spy)
     kinds = [False, True, "chain D=1"]
@@ -90,6 +91,8 @@ def test_interleaved_engines_run_side_by_side_and_report_as_alone(dirs, tmp_path
                  "--repeats", "2", "--interleave", "--device", "cpu", "--dtype", "float32",
                  "--out", str(tmp_path)]) == 0
     side = json.loads((tmp_path / "bench.json").read_text())
+    assert len(shares) == 1 and shares.pop() == pytest.approx(0.9 / 3)  # engines held together split the share
+    shares.clear()
     assert order == [x for b in (1, 2) for x in [(k, b, False) for k in kinds] +
                      [(k, b, True) for _ in range(2) for k in kinds]]
     order.clear()
@@ -97,6 +100,7 @@ def test_interleaved_engines_run_side_by_side_and_report_as_alone(dirs, tmp_path
                                   fixed_draft_lens=[1], num_prompts=3, max_tokens=5, batch_sizes=[1, 2], repeats=2,
                                   device="cpu", dtype="float32"))
     assert order == [(k, b, t) for k in kinds for b in (1, 2) for t in (False, True, True)]
+    assert shares == {0.9}
 
     def key(r):
         return r["speculative"], r["batch"], r["requests"], r["first_tokens"], len(r["all_seconds"])

@@ -5,15 +5,15 @@ vLLM's benchmarks spell it; otherwise each request stops at its end-of-sequence 
 tokens/s counts the tokens generated) for max(batch, prompts) requests submitted together, at most ``batch`` of them
 in flight (offline, continuous batching with ``max_num_seqs = batch``): batch 1 runs every prompt one after another,
 so acceptance figures cover the whole prompt set whatever the batch size. transformers runs the same requests in
-static batches of ``batch``. Each configuration is
-warmed up once per batch size (CUDA-graph capture, Triton compilation, allocator growth), then timed
-``repeats`` times with the device synchronised; the reported run is the one with the median wall time (of an
-even number, the faster middle one: a pause of the host, such as another tenant's work, only ever slows a run, and
-with two runs the slower one reported such a pause as the engine's speed). With ``rounds`` > 1 the specserve
-engines run alternately that many times (each built, warmed up and timed afresh), and each row reports the round
-with the median tokens/s (of an even number, the faster middle one: a row is one real round); the ratios add the
-median of the per-round ratios (of an even number, the mean of the middle two),
-since the machine's speed drifts between one engine's runs and the other's.
+static batches of ``batch``. Each configuration is warmed up once per batch size (CUDA-graph capture, Triton
+compilation, allocator growth), then timed ``repeats`` times with the device synchronised; the reported run is the
+one with the median wall time (of an even number, the faster middle one: a pause of the host, such as another
+tenant's work, only ever slows a run, and with two runs the slower one reported such a pause as the engine's speed).
+With ``rounds`` > 1 the specserve engines run alternately that many times (each built, warmed up and timed afresh),
+and each row reports the round with the median tokens/s (of an even number, the faster middle one: a row is one
+real round); the ratios add the median of the per-round ratios (of an even number, the mean of the middle two),
+since the machine's speed drifts between one engine's runs and the other's. With ``interleave`` the engines are
+built together and at each batch size their timed runs take turns (``bench_interleaved``).
 """
 
 from __future__ import annotations
@@ -191,9 +191,11 @@ class EngineRun:
     engines, else one of its own)."""
 
     def __init__(self, cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, label: str = "",
-                 overlap: bool = True, tree: str | None = None, caching: bool = True, bar=None) -> None:
+                 overlap: bool = True, tree: str | None = None, caching: bool = True, bar=None,
+                 memory_share: float = 1.0) -> None:
         from specserve import LLM, SamplingParams
         from specserve.bench.steps import target_read_bytes
+        from specserve.config import CacheConfig
 
         max_b = max(cfg.batch_sizes)
         kw = dict(dtype=cfg.dtype, device=cfg.device, max_num_seqs=max_b, enforce_eager=cfg.enforce_eager,
@@ -202,6 +204,8 @@ class EngineRun:
                   max_cuda_graph_batch_size=max_b, attention_backend=cfg.attention_backend)
         if cfg.kv_cache_memory_bytes:
             kw["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        elif memory_share < 1:  # engines held together (``bench_interleaved``) split the GPU's share
+            kw["gpu_memory_utilization"] = CacheConfig.gpu_memory_utilization * memory_share
         self.depth = cfg.draft_len
         if spec:
             kw["speculative_config"] = sc = _spec_config(cfg)
@@ -221,15 +225,16 @@ class EngineRun:
         # one tick per run (warm-ups included), on stderr: a run killed by a time limit shows where it was
         self.bar = bar or _progress(self.name, len(cfg.batch_sizes) * (cfg.repeats + 1))
         self.own_bar = bar is None
-        self.bar.set_postfix_str(f"loading {self.name}")
+        self.bar.set_postfix_str("loading" if self.own_bar else f"loading {self.name}")
         self.llm = LLM(cfg.model, **kw)
         self.eng = self.llm.engine
         self.target_bytes = target_read_bytes(self.eng.model)  # read once per engine step
         self.sp = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
 
-    def run(self, b: int, timed: bool = True) -> dict:
-        """One run of max(b, prompts) requests at most ``b`` in flight (a warm-up where not ``timed``) -> its
-        seconds, outputs, steps, counts, prefix hit rate and graphs captured."""
+    def run(self, b: int, timed: bool = True, note: str = "") -> dict:
+        """One run of max(b, prompts) requests at most ``b`` in flight (a warm-up where not ``timed``; ``note``:
+        which run, for the progress bar) -> its seconds, outputs, steps, counts, prefix hit rate and graphs
+        captured."""
         from specserve.core.metrics import SpecStats
 
         eng, dev = self.eng, self.eng.device
@@ -239,7 +244,9 @@ class EngineRun:
         eng.spec_stats = SpecStats()
         eng.pool.reset_cache()  # every run computes its prompts afresh (but for what it shares within itself)
         steps0, graphs0 = eng.num_steps, _captured(eng)
-        self.bar.set_postfix_str(f"{self.name}: batch {b}" + ("" if timed else " warm-up"))
+        # the bar shows where a run killed by a time limit was (a shared bar: which engine too)
+        self.bar.set_postfix_str(("" if self.own_bar else f"{self.name}: ") + f"batch {b} "
+                                 + (note if timed else "warm-up"))
         _sync(dev)
         t0 = time.perf_counter()
         outs = _conversations(self.llm, batch, self.sp, self.cfg)
@@ -304,7 +311,7 @@ def bench_specserve(cfg: BenchConfig, prompt_ids: list[list[int]], spec: bool, l
     rows = []
     for b in cfg.batch_sizes:
         engine.run(b, timed=False)
-        rows.append(engine.row(b, [engine.run(b) for _ in range(cfg.repeats)]))
+        rows.append(engine.row(b, [engine.run(b, note=f"run {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]))
     engine.close()
     return rows
 
@@ -313,19 +320,20 @@ def bench_interleaved(cfg: BenchConfig, prompt_ids: list[list[int]], engines: li
         -> list[dict]:
     """The engines of ``engines`` ((spec, tree, overlap, caching) each) built together and run side by side: at each
     batch size every engine's warm-up, then the timed runs in turn (engine 1, 2, ..., 1, 2, ...), so that a drift of
-    the machine's speed reaches each engine's runs alike -> rows, engine by engine."""
+    the machine's speed reaches each engine's runs alike (without ``kv_cache_memory_bytes`` the engines split
+    ``gpu_memory_utilization``) -> rows, engine by engine."""
     bar = _progress(f"specserve, {len(engines)} engines side by side{label}",
                     len(engines) * len(cfg.batch_sizes) * (cfg.repeats + 1))
-    runs = [EngineRun(cfg, prompt_ids, spec, label, overlap, tree, caching, bar=bar)
+    runs = [EngineRun(cfg, prompt_ids, spec, label, overlap, tree, caching, bar=bar, memory_share=1 / len(engines))
             for spec, tree, overlap, caching in engines]
     rows: list[list[dict]] = [[] for _ in runs]
     for b in cfg.batch_sizes:
         for e in runs:
             e.run(b, timed=False)
         timed: list[list[dict]] = [[] for _ in runs]
-        for _ in range(cfg.repeats):
+        for r in range(cfg.repeats):
             for e, mine in zip(runs, timed):
-                mine.append(e.run(b))
+                mine.append(e.run(b, note=f"run {r + 1}/{cfg.repeats}"))
         for e, mine, out in zip(runs, timed, rows):
             out.append(e.row(b, mine))
     for e in runs:
