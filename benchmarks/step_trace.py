@@ -1,7 +1,8 @@
 """Each engine step of a workload, traced: its wall time, rows, draft length, graph layouts, and whether it captured a
 graph or ran eagerly (packed) -- what a throughput figure alone cannot tell apart (a capture mid-run, an eager step,
 a slow host). One engine per mode, each running the chat prompts at one batch size: a warm-up run, then ``--runs``
-timed runs; the last is traced.
+timed runs; the last is traced (rows: those running when the step began; the prefix cache is not reset between
+runs, so later runs find the prompts cached).
 
     python benchmarks/step_trace.py --model /root/model.gguf --draft specserve/heads/smollm2-135m-eagle3 \\
         --batch 64 --modes plain 4 2 adaptive
@@ -28,7 +29,6 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
     launch, run, step = runner._launch, graphs.run if graphs is not None else None, eng._step
 
     def traced_run(key, fn, rerun=True):
-        cur["captures"] += key not in graphs._graphs
         cur["layouts"].append(key[0])
         return run(key, fn, rerun)
 
@@ -39,12 +39,14 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
     trace: list[dict] = []
 
     def traced_step():
-        cur.update(captures=0, eager=0, layouts=[])
+        cur.update(eager=0, layouts=[])
+        rows, captured = len(eng.scheduler.running), graphs.captures if graphs is not None else 0
         t0 = time.perf_counter()
         out = step()
         spec = runner.speculator
-        trace.append(dict(seconds=time.perf_counter() - t0, rows=len(eng.scheduler.running),
-                          draft_len=spec.step_draft_len if spec is not None else None, **cur))
+        trace.append(dict(seconds=time.perf_counter() - t0, rows=rows,
+                          draft_len=spec.step_draft_len if spec is not None else None,
+                          captures=(graphs.captures if graphs is not None else 0) - captured, **cur))
         return out
 
     runner._launch, eng._step = traced_launch, traced_step
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--show", type=int, default=8, help="steps printed one by one")
+    ap.add_argument("--kv-cache-memory", type=int, default=4_000_000_000, help="KV cache bytes of each engine")
     a = ap.parse_args()
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     for mode in a.modes:
@@ -81,7 +84,8 @@ def main() -> None:
                         adaptive_draft_len=mode == "adaptive")
             if mode != "adaptive":
                 spec["max_draft_len"] = int(mode)
-        llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec)
+        llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec,
+                  kv_cache_memory_bytes=a.kv_cache_memory)
         tok = llm.engine.tokenizer
         ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if tok.has_chat_template else tok.encode(t)
                for t in DEFAULT_PROMPTS]

@@ -223,6 +223,8 @@ def test_tree_settings_are_checked():
         assert SpeculativeConfig.from_value({key: "random", "method": "eagle3"}).draft_model == "random"
     with pytest.raises(ValueError, match="both"):
         SpeculativeConfig.from_value(dict(draft_model="random", model="other"))
+    with pytest.raises(ValueError, match="both model='a' and speculative_model_dir='b'"):  # as the user spelled them
+        SpeculativeConfig.from_value(dict(model="a", speculative_model_dir="b"))
 
 
 @pytest.mark.parametrize("head,shape", [("eagle3", (2, 3, 6)), ("mtp", (2, 3, 6)), ("eagle3", (4, 4, 20))],

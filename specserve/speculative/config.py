@@ -246,12 +246,14 @@ class SpeculativeConfig:
         if isinstance(value, dict):
             known = set(cls.__dataclass_fields__)
             value = dict(value)
+            given = {name: name for name in value}  # each field's spelling in the dict, for the error below
             for alias, name in ALIASES.items():
                 if alias in value:
                     if name in value and value[name] != value[alias]:
-                        raise ValueError(f"speculative_config gives both {name}={value[name]!r} and "
+                        raise ValueError(f"speculative_config gives both {given[name]}={value[name]!r} and "
                                          f"{alias}={value[alias]!r}")
                     value[name] = value.pop(alias)
+                    given[name] = alias
             unknown = sorted(set(value) - known)
             if unknown:
                 raise ValueError(f"unknown speculative_config fields {unknown}; known: {sorted(known)}")
