@@ -51,13 +51,18 @@ class LLMEngine:
         """``tp`` and ``address``: given to the ranks other than 0 that rank 0 starts (``distributed.py``)."""
         # everything below reads the validated config only
         config = args.create_engine_config() if isinstance(args, EngineArgs) else args
-        if gc.get_freeze_count():  # an engine's start froze the heap: one dropped since is collected before this
-            gc.unfreeze()  # one loads its weights (its device memory with it)
-            gc.collect()
+        # an engine's start froze the heap: what it held is collectable again (an engine dropped since that a cycle
+        # holds), and on a GPU collected before this one loads its weights, so that its device memory is free. On the
+        # CPU the collector gets to it in its own time (a full collection at every start adds up in a process that
+        # makes many engines, as the tests do)
+        thawed = gc.get_freeze_count() > 0
+        gc.unfreeze()
         self.tp, self.commands = self._join_ranks(args, config, tp, address)
         if self.commands is not None:
             atexit.register(self.shutdown)
         config = dataclasses.replace(config, device=rank_device(config.device, self.tp))
+        if thawed and config.device.type == "cuda":
+            gc.collect()
         self.spec_config = config.speculative_config
         # the files named exist (a typo fails now, not after the target's weights have loaded)
         if not is_random_ref(config.model):
