@@ -76,7 +76,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                a tree too), kernel by kernel (JSON in $OUT/profile-*.json; `profile_step.py --summarize FILE` gives a
                layer's costs)
   prefillprof  profile_step.py --prefill: the graph timeline of the step that computes one fresh prompt of PREFILL
-               (2048) tokens, plain and with a random head, kernel by kernel, and its host time
+               (2048) tokens (CACHED=N: after N tokens it finds cached, e.g. PREFILL=64 CACHED=6144 for a question
+               over a cached document), plain and with a random head, kernel by kernel, and its host time
   zeroprof     profile_step.py --graphs at batches ZERO_BATCHES (1 32), context 256: no speculation against a
                random head with the adaptive draft length (which settles at D = 0): what a speculative step that
                drafts nothing adds, device (kernels, gaps) and host (idle); 90 s each
@@ -317,7 +318,8 @@ for st in "$@"; do
              done ;;
     prefillprof) for s in plain spec; do a=(--draft random); [ $s = plain ] && a=(--no-spec)
                    timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \
-                     --graphs --prefill --context "${PREFILL:-2048}" --top 30 --json $OUT/prefill-$s.json 2>&1 \
+                     --graphs --prefill --context "${PREFILL:-2048}" --cached-prefix "${CACHED:-0}" --top 30 \
+                     --json $OUT/prefill-$s.json 2>&1 \
                      | quiet | sed -n 1,36p
                  done ;;
     zeroprof) for b in ${ZERO_BATCHES:-1 32}; do for s in plain adaptive; do

@@ -8,7 +8,8 @@ between kernels, so comparing it with ``specserve bench --steps`` separates slow
 kernels, the gaps between a step's kernels and idle time between steps (the host's share). ``--prefill``
 profiles the steps that compute ``--batch`` fresh prompts of ``--context`` tokens instead (after a first set of
 prompts captured their graphs), with the engine's default token budget and without the overlap scheduler (each
-step collected before the next launches), and times them on the host as well.
+step collected before the next launches), and times them on the host as well; with ``--cached-prefix N`` every
+prompt starts with the same N tokens, which the first set computes and the profiled set finds cached.
 
     python benchmarks/profile_step.py --model random:llama-3.1-8b --draft random --forced-acceptance 1.64 \\
         --context 512 --json prof.json
@@ -33,7 +34,7 @@ from specserve.bench.timeline import format_layer_costs
 
 
 def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline: bool = False,
-            prefill: bool = False) -> dict:
+            prefill: bool = False, cached_prefix: int = 0) -> dict:
     from specserve import SamplingParams
 
     eng = llm.engine
@@ -42,10 +43,13 @@ def profile(llm, batch: int, context: int, steps: int, warmup: int = 5, timeline
     vocab = eng.model_config.vocab_size
     wall_us = None
 
+    # a document every prompt starts with: the first set of requests computes it, the second finds it cached
+    prefix = torch.randint(10, vocab, (cached_prefix,), generator=g).tolist()
+
     def start() -> list:
-        # fresh random prompts each time, so that prefix caching finds nothing to reuse
+        # fresh random prompts (after the prefix) each time, so that prefix caching finds nothing else to reuse
         for _ in range(batch):
-            eng.add_request(torch.randint(10, vocab, (context,), generator=g).tolist(), sp)
+            eng.add_request(prefix + torch.randint(10, vocab, (context,), generator=g).tolist(), sp)
         return list(eng.requests.values())
 
     def run_prompts(reqs: list) -> int:
@@ -135,6 +139,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5,
                     help="generation steps before the profiled ones (with --adaptive-draft-len, past the first "
                          "probe at D = 0, 32 steps in, so that the profiled steps are D = 0 steps)")
+    ap.add_argument("--cached-prefix", type=int, default=0, metavar="N",
+                    help="with --prefill: every prompt starts with the same N random tokens, which the profiled "
+                         "prompts find cached (a question over a cached document)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the steps that compute --batch prompts of --context tokens instead")
     ap.add_argument("--top", type=int, default=25)
@@ -167,10 +174,15 @@ def main() -> None:
     else:  # a generation step's whole context in one prompt step
         kw["max_num_batched_tokens"] = max(2048, a.context + 1)
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch, **kw)
-    res = profile(llm, a.batch, a.context, a.steps, warmup=a.warmup, timeline=a.timeline, prefill=a.prefill)
+    if a.cached_prefix and not a.prefill:
+        ap.error("--cached-prefix profiles prompt steps: give --prefill")
+    res = profile(llm, a.batch, a.context, a.steps, warmup=a.warmup, timeline=a.timeline, prefill=a.prefill,
+                  cached_prefix=a.cached_prefix)
     step_kind = ("no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else
                  f"adaptive D <= {a.draft_len}" if a.adaptive_draft_len else f"D = {a.draft_len}")
     what = f"{res['steps']} prompt steps" if a.prefill else f"context {a.context}"
+    if a.cached_prefix:
+        what += f" of {a.context} tokens after {a.cached_prefix} cached"
     print(f"{res['kernels_per_step']:.0f} kernels, {res['busy_us_per_step']:.0f} us of device time per step "
           f"(batch {a.batch}, {what}, {step_kind})")
     if res["wall_us"] is not None:
