@@ -138,8 +138,8 @@ class Request:
     def append_tokens(self, tokens: list[int]) -> int:
         """Add a step's generated tokens in order, up to the first that ends generation (a stop token, the
         ``max_tokens``-th output token, or the ``max_total_tokens``-th token), finishing the request there -> how
-        many were added. One call a row a step: at 128 rows a Python call per token was a tenth of the host's
-        step."""
+        many were added. One call a row a step instead of one a token: at many rows the host's step is such
+        per-row work."""
         if not tokens:
             return 0
         if self.metrics.first_token_time is None:
