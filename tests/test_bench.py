@@ -75,7 +75,7 @@ def test_bench_rounds_alternate_the_engines_and_report_the_median_round(dirs):
 def test_interleaved_engines_run_side_by_side_and_report_as_alone(dirs, tmp_path, monkeypatch):
     """--interleave: every engine's warm-up at a batch size, then the timed runs in turn; the rows are those of
     engines run one after the other (greedy tokens, requests, runs), engine by engine."""
-    import specserve.bench.run as bench_run
+    import specserve.bench.engine_run as bench_run
 
     order, shares, real = [], set(), bench_run.EngineRun.run
 
@@ -113,7 +113,7 @@ def test_bench_reports_graphs_captured_during_timed_runs(dirs, monkeypatch):
     them and the table says so; a run without captures says nothing."""
     import itertools
 
-    from specserve.bench import run as bench_run
+    from specserve.bench import engine_run as bench_run
 
     cfg = dict(model=str(dirs / "target"), speculative="off", num_prompts=2, max_tokens=3, repeats=2, device="cpu",
                dtype="float32")
