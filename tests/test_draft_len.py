@@ -201,7 +201,7 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
             policy.live = StepCosts([8], [[1.0, 1.0, 5.0, 5.0]])
         d = choose(requests, generation, captured)
         if captured is not None:
-            calls.append((d, [captured(k) for k in range(policy.max_draft_len + 1)]))
+            calls.append((d, [captured.has(k) for k in range(policy.max_draft_len + 1)]))
         return d
 
     policy.choose = spy

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from specserve.core.metrics import SpecStats
+from specserve.runner.cuda_graph import GraphCheck
 from specserve.speculative.draft_len import (CAPTURE_SECONDS, AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
                                              cost_buckets, engine_rates, expected_tokens, prefer_captured)
 
@@ -145,17 +146,15 @@ def test_a_draft_length_without_a_graph_is_rented_until_the_rent_would_have_paid
     per_step = sec[2] * (1 - tok[2] / sec[2] / (tok[3] / sec[3]))
     rent = math.ceil(CAPTURE_SECONDS / per_step) - 1  # steps whose losses stay below a capture's cost
     assert 10 < rent < 10_000
-    assert [p.choose(rows, captured=lambda d: d in (2, 4)) for _ in range(rent)] == [2] * rent
-    assert p.choose(rows[:99], captured=lambda d: d in (2, 4)) == 2  # other rows: a debt of their own
-    assert p.choose(rows, captured=lambda d: d in (2, 4)) == 3  # now the capture has paid
-    assert p.choose(rows, captured=lambda d: d in (2, 3, 4)) == 3 and not p._owed.get((100, 3))
+    assert [p.choose(rows, captured=GraphCheck(lambda d: d in (2, 4))) for _ in range(rent)] == [2] * rent
+    assert p.choose(rows[:99], captured=GraphCheck(lambda d: d in (2, 4))) == 2  # other rows: a debt of their own
+    assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 4))) == 3  # now the capture has paid
+    assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 3, 4))) == 3 and not p._owed.get((100, 3))
     # where the runner names the graph's layout (padded rows, table width), the rows that share it share a debt
     shared = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
     shared.timed = False
 
-    def in_layout(d):
-        return d in (2, 4)
-    in_layout.key = lambda: (104, 32)
+    in_layout = GraphCheck(lambda d: d in (2, 4), lambda: (104, 32))
     chosen = [shared.choose(rows[:100 - i % 4], captured=in_layout) for i in range(rent + 1)]
     assert chosen == [2] * rent + [3]
 
@@ -242,13 +241,14 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     assert p.probe_after == PROBE_MAX
     # a probe takes the best D > 0 among those whose step has its graph, where one has; else the best
     p.zero_run = p.probe_after
-    assert p.choose([unlucky], generation=True, captured=lambda d: d in (0, 3)) == 3
+    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d in (0, 3))) == 3
     p.zero_run = p.probe_after
-    assert p.choose([unlucky], generation=True, captured=lambda d: d == 0) == 2
+    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d == 0)) == 2
     tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)
     rate = {d: tokens[d] / seconds[d] for d in (1, 3, 4)}
     p.zero_run = p.probe_after
-    assert p.choose([unlucky], generation=True, captured=lambda d: d in (1, 3, 4)) == max(rate, key=rate.get)
+    has = GraphCheck(lambda d: d in (1, 3, 4))
+    assert p.choose([unlucky], generation=True, captured=has) == max(rate, key=rate.get)
     assert len(set(rate.values())) == 3
 
 

@@ -13,6 +13,7 @@ can share memory.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import torch
@@ -24,6 +25,16 @@ def capture_sizes(max_rows: int) -> list[int]:
     """Batch sizes that get graphs (vLLM's ladder): 1, 2, 4, 8, then every 8 up to ``max_rows``."""
     sizes = [s for s in (1, 2, 4) if s < max_rows] + list(range(8, max_rows + 8, 8))
     return sorted({min(s, max_rows) for s in sizes} | {max_rows})
+
+
+@dataclass(frozen=True)
+class GraphCheck:
+    """Which draft lengths a step has its CUDA graph for (``ModelRunner._generation_graphs``), for choices that
+    weigh a capture (``draft_len.prefer_captured``)."""
+
+    has: Callable[[int], bool]  # whether the step's graph exists when it verifies and drafts D a row
+    # the graph's padded rows and table width, which every D's graph of the step shares (None: no generation graph)
+    layout: Callable[[], Hashable | None] = lambda: None
 
 
 class CudaGraphs:

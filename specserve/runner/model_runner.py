@@ -10,7 +10,7 @@ reads a device value.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +20,7 @@ from specserve.config import cdiv
 from specserve.kernels.step_inputs import correct_record, expand_record
 from specserve.models.attention import AttentionMetadata, causal_prompts
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.cuda_graph import CudaGraphs
+from specserve.runner.cuda_graph import CudaGraphs, GraphCheck
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
 from specserve.runner.overlap import CarryCopy, StepCarry, output_offsets, overlap_fields
@@ -178,11 +178,10 @@ class ModelRunner:
             width = min(self.graph_table_width, width * 2)
         return max(width, need)
 
-    def _generation_graphs(self, batch: SchedulerOutput) -> Callable[[int], bool]:
+    def _generation_graphs(self, batch: SchedulerOutput) -> GraphCheck:
         """For the draft length's choice: whether a generation step of these rows that verifies and drafts s a row
-        costs no capture (``CudaGraphs.has``; False where the step is no generation graph step); its ``key()``: the
-        graph's padded rows and table width (None where it is no such step), which every D's graph of the step
-        shares. Both computed once, on the first call."""
+        costs no capture (``CudaGraphs.has``; False where the step is no generation graph step), and the graph's
+        padded rows and table width (None where it is no such step), computed once, on the first call."""
         layout: list[tuple[int, int] | None] = []
 
         def key() -> tuple[int, int] | None:
@@ -196,8 +195,7 @@ class ModelRunner:
         def has(s: int) -> bool:
             k = key()
             return k is not None and self.graphs.has(GraphLayout(k[0], 1 + s, k[1]))
-        has.key = key
-        return has
+        return GraphCheck(has, key)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,

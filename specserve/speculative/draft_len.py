@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from specserve.core.metrics import SpecStats
+from specserve.runner.cuda_graph import GraphCheck
 
 log = logging.getLogger("specserve")
 
@@ -327,21 +328,20 @@ class DraftLenPolicy:
                 return min(d, self.max_draft_len)
         return 0
 
-    def choose(self, requests: list, generation: bool = False, captured: Callable[[int], bool] | None = None) -> int:
+    def choose(self, requests: list, generation: bool = False, captured: GraphCheck | None = None) -> int:
         """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
-        verifies and samples (no prompt tokens); ``captured(D)``: whether the step has its graph with D drafts
-        (``prefer_captured``; None: no graph step), and where it has ``key()`` the graph's rows and table width, which
-        a rented D's losses are counted by (else by the rows)."""
+        verifies and samples (no prompt tokens); ``captured``: which D have the step's graph (``prefer_captured``;
+        None: no graph step) and the graph's layout, which a rented D's losses are counted by (else the rows)."""
         now = time.perf_counter()
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
             tokens = self._expected_tokens([r.spec_stats for r in requests])
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
-            if captured is not None:  # the losses count per graph layout (``captured.key()``) where it has one
-                layout = captured.key() if hasattr(captured, "key") else None
+            if captured is not None:  # the losses count per graph layout where the step has one
+                layout = captured.layout()
                 key = (layout if layout is not None else len(requests), best)
-                best, lost = prefer_captured(tokens, seconds, d, best, captured, self._owed.get(key, 0.0))
+                best, lost = prefer_captured(tokens, seconds, d, best, captured.has, self._owed.get(key, 0.0))
                 if lost:
                     self._owed[key] = self._owed.get(key, 0.0) + lost
                 else:
@@ -355,7 +355,7 @@ class DraftLenPolicy:
             if self.zero_run >= self.probe_after and rates:
                 self.zero_run = 0
                 self.probe_after = min(2 * self.probe_after, PROBE_MAX)
-                have = [k for k in range(1, len(rates) + 1) if captured is not None and captured(k)] or \
+                have = [k for k in range(1, len(rates) + 1) if captured is not None and captured.has(k)] or \
                     range(1, len(rates) + 1)
                 d = max(have, key=lambda k: (rates[k - 1], -k))
             else:

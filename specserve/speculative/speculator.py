@@ -19,13 +19,12 @@ Nothing here knows which head it runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import numpy as np
 import torch
 
 from specserve.kernels.draft_inputs import draft_inputs
 from specserve.models.llama import LlamaForCausalLM
+from specserve.runner.cuda_graph import GraphCheck
 from specserve.runner.sampler import LOGPROB_WIDTH, SamplingTensors, token_logprobs
 from specserve.runner.step_batch import RowResult, SpecInputs, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs, accept
@@ -195,15 +194,13 @@ class Speculator(SpeculatorBase):
         """Rows of a step's result: accepted count, D + 1 emitted tokens, D drafts."""
         return 2 * self.draft_len + 2
 
-    def plan_step(self, sched, draft_len: int | None = None, captured: Callable[[int], bool] | None = None) -> int:
+    def plan_step(self, sched, draft_len: int | None = None, captured: GraphCheck | None = None) -> int:
         """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
         ``draft_len`` where given: step-cost measurements). ``captured(s)``: whether the step's graph exists when it
         verifies and drafts s a row."""
         widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         if draft_len is None:
-            has = None if captured is None else lambda d: captured(max(d, widest))
-            if has is not None and hasattr(captured, "key"):
-                has.key = captured.key
+            has = None if captured is None else GraphCheck(lambda d: captured.has(max(d, widest)), captured.layout)
             draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), has)
         # where D varies, a step drafts as many as it verifies (at least): a batch size and table width then have
         # a graph per D (the start-up cost measurement captures those of its batch sizes), not one per (verified,
