@@ -6,7 +6,7 @@ the stub (in place of the runner's ``launch``) chooses the step's draft length a
 speculation), stages the step's inputs exactly as the runner does before a CUDA-graph replay (``stage_graph``: the
 compact record and its upload) and returns one token (three with speculation where the step drafted) per row. "views" is what a graph capture adds on top (a replay does not): the record's device
 views and the ops that expand them, run here eagerly on the CPU, timed separately and not part of the step
-figure.
+figure. Last, the heap's size and what a full collection of it costs unfrozen.
 
     python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only]
         [--zero-drafts]
@@ -15,6 +15,7 @@ figure.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -97,6 +98,15 @@ def main() -> None:
                 eng.abort_request(rid)
             print(f"{'on' if spec else 'off':<12}{b:>6}{per * 1e3:>14.3f}{np.median(t_in) * 1e3:>20.3f}"
                   f"{np.median(t_views) * 1e3:>10.3f}")
+    # what a full collection of this process's heap costs where nothing is frozen (the engine freezes what its
+    # start made, so that such a collection does not fall inside a step)
+    gc.unfreeze()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - t0)
+    print(f"heap: {len(gc.get_objects())} objects; a full collection of it unfrozen {np.median(times) * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":
