@@ -106,6 +106,8 @@ def check_attention(device, dtype):
         # split, the split kernel writes the output itself (the default up to ONE_SPLIT_KEYS positions)
         _close(paged_attention_triton(*args), ref, dtype, f"paged attention {hq}/{hkv}/{d}")
         _close(paged_attention_triton(*args, num_splits=1), ref, dtype, f"paged attention, 1 split {hq}/{hkv}/{d}")
+        # more splits than the merge kernel folds in one load (MERGE_ELEMENTS), the last load part-masked
+        _close(paged_attention_triton(*args, num_splits=11), ref, dtype, f"paged attention, 11 splits {hq}/{hkv}/{d}")
         # the queries read in place from other rows of a larger q (q_rows): the same outputs, to the bit
         sel = torch.randperm(t + 7, generator=g)[:t].to(device)
         wide = torch.zeros(t + 7, hq, d, dtype=dtype, device=device)

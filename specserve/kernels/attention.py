@@ -54,6 +54,11 @@ SHORT_PROGRAMS = 32
 # without splitting) asked the H200 for 45.7 GiB. Batch-64 verify steps (D = 4) stay below it: the default
 # model's over 8,192 positions 26 MB, 8B shapes' over 1,024 34 MB and over 16,384 545 MB.
 MAX_PARTIALS = 1 << 30
+# The merge kernel: a program merges MERGE_ROWS rows of a tile (more programs where a step has few tiles), loading
+# the partial sums of MERGE_ELEMENTS // (rows x head size) splits at a time (a step of many splits waits on a few
+# rounds of loads)
+MERGE_ROWS = 16
+MERGE_ELEMENTS = 8192
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -189,11 +194,13 @@ class AttnPartials:
     def merge(self) -> torch.Tensor:
         """The merge kernel -> out [T, Hq, D]."""
         out, (b, qw) = self.out, self.query_index.shape
-        _attn_merge_kernel[(b * self.n_qt, self.acc.shape[1])](
+        rows = min(MERGE_ROWS, self.block_m)
+        _attn_merge_kernel[(b * self.n_qt, self.acc.shape[1], self.block_m // rows)](
             self.acc, self.ml, out, self.query_index, self.query_pos, out.shape[0], qw, self.n_qt, out.stride(0),
             out.stride(1), self.query_index.stride(0), self.num_splits,
             G=self.g, QPT=self.qpt, BLOCK_M=self.block_m, SPLIT=self.span, D=out.shape[2], HEAD_D=self.head_d,
-            DYNAMIC=not _INTERPRET, NS_STATIC=self.num_splits if _INTERPRET else 0, **kernel_args(out))
+            ROWS=rows, SC=max(2, MERGE_ELEMENTS // (rows * self.head_d)), DYNAMIC=not _INTERPRET,
+            NS_STATIC=self.num_splits if _INTERPRET else 0, **kernel_args(out))
         return out
 
 
@@ -422,39 +429,60 @@ if HAVE_TRITON:
             tl.store(PML + base * (2 * BLOCK_M) + BLOCK_M + rows, l_i)
 
     @triton.jit
-    def _merge_split(PACC, PML, base, rows, dd, m_tot, l_tot, acc, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
-        m_s = tl.load(PML + base * (2 * BLOCK_M) + rows)
-        l_s = tl.load(PML + base * (2 * BLOCK_M) + BLOCK_M + rows)
-        a_s = tl.load(PACC + base * (BLOCK_M * HEAD_D) + rows[:, None] * HEAD_D + dd[None, :])
-        m_new = tl.maximum(m_tot, m_s)
-        c_old = tl.exp(m_tot - m_new)
-        c_s = tl.exp(m_s - m_new)
-        return m_new, l_tot * c_old + l_s * c_s, acc * c_old[:, None] + a_s * c_s[:, None]
+    def _merge_splits(PACC, PML, first, left, m, dd, m_tot, l_tot, acc, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+                      SC: tl.constexpr):
+        """Splits ``first`` .. ``first`` + SC - 1 (those below ``first`` + ``left``) of tile rows ``m`` [ROWS] folded
+        into the running (m_tot, l_tot, acc) one after another, as the o projection's prologue folds them (the same
+        sums to the bit); unrolled, so the loads of all SC splits are issued before the folds wait on them."""
+        for k in tl.static_range(SC):
+            ok = k < left
+            base = first + k
+            m_s = tl.load(PML + base * (2 * BLOCK_M) + m, mask=ok, other=-1.0e30)
+            l_s = tl.load(PML + base * (2 * BLOCK_M) + BLOCK_M + m, mask=ok, other=0.0)
+            a_s = tl.load(PACC + base * (BLOCK_M * HEAD_D) + m[:, None] * HEAD_D + dd[None, :], mask=ok, other=0.0)
+            m_new = tl.maximum(m_tot, m_s)
+            c_old = tl.exp(m_tot - m_new)
+            c_s = tl.exp(m_s - m_new)
+            l_tot = l_tot * c_old + l_s * c_s
+            acc = acc * c_old[:, None] + a_s * c_s[:, None]
+            m_tot = m_new
+        return m_tot, l_tot, acc
 
     @triton.jit
     def _attn_merge_kernel(PACC, PML, O, QIDX, QPOS, T, QW, NQT, so_t, so_h, s_qi, NS,
                            G: tl.constexpr, QPT: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                           D: tl.constexpr, HEAD_D: tl.constexpr, DYNAMIC: tl.constexpr,
-                           NS_STATIC: tl.constexpr, PDL: tl.constexpr):
+                           D: tl.constexpr, HEAD_D: tl.constexpr, ROWS: tl.constexpr, SC: tl.constexpr,
+                           DYNAMIC: tl.constexpr, NS_STATIC: tl.constexpr, PDL: tl.constexpr):
+        """Program (tile, KV head, ROWS-row slice of the tile): the slice's splits merged SC at a time (their loads
+        issued together), so that a step of few tiles and many splits (a prompt over a long cached prefix) spreads
+        over more programs and waits on a few rounds of loads, not on one load per split."""
         pdl_begin(PDL)
         pdl_wait(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        b, gi, valid, qi, qp = _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT, G, BLOCK_M)
-        n_used = (tl.max(qp, axis=0) + SPLIT) // SPLIT  # splits that saw keys
-        rows = tl.arange(0, BLOCK_M)
+        b = (pid // NQT).to(tl.int64)
+        m = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # the slice's tile rows
+        j = (pid % NQT) * QPT + m // G
+        valid = (m < QPT * G) & (j < QW)
+        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
+        valid = valid & (qi < T)
+        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        # splits that saw keys of these rows (every split wrote its partial sums; past a row's position l = 0)
+        n_used = tl.minimum((tl.max(qp, axis=0) + SPLIT) // SPLIT, NS)
         dd = tl.arange(0, HEAD_D)
-        m_tot = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+        m_tot = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_tot = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_D], dtype=tl.float32)
         base0 = (pid.to(tl.int64) * tl.num_programs(1) + kvh) * NS
         if DYNAMIC:
-            for s in range(0, tl.minimum(n_used, NS)):
-                m_tot, l_tot, acc = _merge_split(PACC, PML, base0 + s, rows, dd, m_tot, l_tot, acc, BLOCK_M, HEAD_D)
-        else:  # the interpreter: a host-known bound; unused splits hold l = 0, harmless to merge
-            for s in range(0, NS_STATIC):
-                m_tot, l_tot, acc = _merge_split(PACC, PML, base0 + s, rows, dd, m_tot, l_tot, acc, BLOCK_M, HEAD_D)
+            for c in range(0, tl.cdiv(n_used, SC)):
+                m_tot, l_tot, acc = _merge_splits(PACC, PML, base0 + c * SC, n_used - c * SC, m, dd,
+                                                  m_tot, l_tot, acc, BLOCK_M, HEAD_D, SC)
+        else:  # the interpreter: a host-known bound
+            for c in range(0, (NS_STATIC + SC - 1) // SC):
+                m_tot, l_tot, acc = _merge_splits(PACC, PML, base0 + c * SC, NS - c * SC, m, dd,
+                                                  m_tot, l_tot, acc, BLOCK_M, HEAD_D, SC)
         out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
-        hq = kvh * G + gi
+        hq = kvh * G + m % G
         tl.store(O + qi[:, None] * so_t + hq[:, None] * so_h + dd[None, :], out.to(O.dtype.element_ty),
                  mask=valid[:, None] & (dd < D)[None, :])
