@@ -9,6 +9,9 @@ timed eagerly (triton.testing.do_bench) and its row says so.
 
 ``--prefill``: the same for prompt chunks (positions from 0), beside PyTorch's SDPA over dense causal q, k, v.
 
+``--cached``: the same for prompt chunks after a cached prefix (a question over a cached document, a later
+chunk of a long prompt): the default launch against key splits, tile rows and keys per iteration.
+
 ``--sweep``: the Triton kernel's launch choices instead (key splits, keys per inner iteration, warps) for each
 shape, query count and context, with block tables as wide as the engine's graph layouts make them (a power of
 two of at least 256 positions), each timed as 30 calls inside one CUDA graph (a step's layers), per call.
@@ -29,6 +32,9 @@ from specserve.kernels.attention import (build_mask, flex_block_mask, paged_atte
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}
 # --prefill: (shape, rows, prompt tokens a row)
+# --cached: (shape, rows, prompt tokens a row, cached tokens before them)
+CACHED_CASES = (("smollm2-135m", 1, 64, 6144), ("smollm2-135m", 8, 64, 6144), ("smollm2-135m", 1, 512, 2048),
+                ("llama-3.1-8b", 1, 64, 6144))
 PREFILL_CASES = (("smollm2-135m", 1, 512), ("smollm2-135m", 1, 2048), ("smollm2-135m", 1, 8000),
                  ("smollm2-135m", 4, 512), ("llama-3.1-8b", 1, 2048))
 
@@ -159,6 +165,33 @@ def prefill_sweep(json_path: str | None) -> None:
     dump(json_path, rows)
 
 
+def cached_sweep(json_path: str | None) -> None:
+    """Prompt chunks after a cached prefix (queries at positions prefix .. prefix + q - 1, tables as wide as the
+    engine's graph layouts make them): the default launch and the best of the launch choices."""
+    rows = []
+    for shape, batch, q, prefix in CACHED_CASES:
+        need = -(-(prefix + q) // 16)
+        width = max(16, 1 << (need - 1).bit_length())  # the engine's graph table width (blocks)
+        x, kc, vc, tables, qidx, qpos, scale = case(shape, batch, q, width * 16 - 8)
+        qpos = qpos - qpos[:, :1] + prefix
+        ref = paged_attention_sdpa(x, kc, vc, tables, qidx, qpos, scale)
+        res = dict(shape=shape, batch=batch, q=q, prefix=prefix, keys=width * 16,
+                   default_us=checked_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale), ref,
+                                         f"{shape} B={batch} q={q} prefix={prefix} default"))
+        variants = {}
+        for splits in (4, 8, 16, 32):
+            for bm in (32, 64):
+                for bn in (32, 64):
+                    def fn(s=splits, m=bm, b=bn):
+                        return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s, block_m=m,
+                                                      block_n=b)
+                    variants[f"s{splits}-m{bm}-n{bn}"] = checked_us(fn, ref, f"{shape} B={batch} q={q} s{splits}")
+        top = keep_best(res, variants, rows)
+        print(f"{shape:<13} B={batch} q={q:>4} prefix={prefix:>5}  default {res['default_us']:7.2f} us  best " + top,
+              flush=True)
+    dump(json_path, rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flex-configs", type=int, default=8, help="how many configurations also time Flex (compiles)")
@@ -166,7 +199,11 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time the Triton kernel's launch choices instead")
     p.add_argument("--prefill", action="store_true",
                    help="time the Triton kernel's launch choices for prompt chunks, beside dense causal SDPA")
+    p.add_argument("--cached", action="store_true",
+                   help="time the Triton kernel's launch choices for prompt chunks after a cached prefix")
     a = p.parse_args()
+    if a.cached:
+        return cached_sweep(a.json)
     if a.sweep:
         return sweep(a.json)
     if a.prefill:

@@ -85,6 +85,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
   prefillattn  bench_attention.py --prefill: the kernel's launch choices for prompt chunks of 512-8,000 tokens
                (key splits, tile rows, keys per iteration, warps) beside dense causal SDPA; 200 s
+  cachedattn   bench_attention.py --cached: the same for prompt chunks after a cached prefix (64 queries over a
+               6,144-token document, a 512-token chunk after 2,048); 200 s
  training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
   regen-gpteacher  the 2,118 greedy GPTeacher responses runs 8-10 trained on (706 prompts held out), or the
                carried .traindata/gpteacher-2118.pt (that file from git history, see TRAINING.md)
@@ -122,7 +124,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn zeroprof ttftrand bursts captures "
+STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -333,6 +335,8 @@ for st in "$@"; do
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
     attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \
                  | grep -v Warning | tail -20 ;;
+    cachedattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --cached --json $OUT/cachedattn.json \
+                  2>&1 | grep -v Warning | tail -20 ;;
     prefillattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --prefill --json $OUT/prefillattn.json \
                    2>&1 | grep -v Warning | tail -20 ;;
     regen-gpteacher) if [ -f $D/gpteacher-2118.pt ]; then
