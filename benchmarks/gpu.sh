@@ -79,8 +79,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                (2048) tokens (CACHED=N: after N tokens it finds cached, e.g. PREFILL=64 CACHED=6144 for a question
                over a cached document), plain and with a random head, kernel by kernel, and its host time
   zeroprof     profile_step.py --graphs at batches ZERO_BATCHES (1 32), context 256: no speculation against a
-               random head with the adaptive draft length (which settles at D = 0): what a speculative step that
-               drafts nothing adds, device (kernels, gaps) and host (idle); 90 s each
+               random head's steps that draft nothing (--zero-drafts, the adaptive draft length's D = 0): what such
+               a step adds, device (kernels, gaps) and host (idle); 90 s each
   host         profile_host.py on the real model and HEAD with device events (host time per step)
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
   prefillattn  bench_attention.py --prefill: the kernel's launch choices for prompt chunks of 512-8,000 tokens
@@ -324,8 +324,8 @@ for st in "$@"; do
                      --json $OUT/prefill-$s.json 2>&1 \
                      | quiet | sed -n 1,36p
                  done ;;
-    zeroprof) for b in ${ZERO_BATCHES:-1 32}; do for s in plain adaptive; do
-                a=(--draft random --adaptive-draft-len); [ $s = plain ] && a=(--no-spec)
+    zeroprof) for b in ${ZERO_BATCHES:-1 32}; do for s in plain zero; do
+                a=(--draft random --zero-drafts); [ $s = plain ] && a=(--no-spec)
                 echo "--- batch $b, $s"
                 timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \
                   --graphs --batch "$b" --context 256 --warmup 40 --steps 40 --top 14 --json $OUT/zero-$s-$b.json 2>&1 \

@@ -133,6 +133,9 @@ def main() -> None:
     ap.add_argument("--adaptive-draft-len", action="store_true",
                     help="the adaptive draft length (with a random head it settles at D = 0: what a speculative "
                          "engine's step that drafts nothing costs)")
+    ap.add_argument("--zero-drafts", action="store_true",
+                    help="every step drafts nothing (what a speculative engine's step of D = 0 costs, the adaptive "
+                         "draft length's choice for a head that accepts nothing)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
@@ -176,9 +179,15 @@ def main() -> None:
     llm = LLM(a.model, enforce_eager=not a.graphs, speculative_config=spec, max_num_seqs=a.batch, **kw)
     if a.cached_prefix and not a.prefill:
         ap.error("--cached-prefix profiles prompt steps: give --prefill")
+    if a.zero_drafts:
+        if spec is None or a.tree:
+            ap.error("--zero-drafts needs a chain's head")
+        policy = llm.engine.runner.speculator.policy
+        policy.adaptive = True  # a step's layout as wide as its own draft length
+        policy.choose = lambda *args, **kw: 0
     res = profile(llm, a.batch, a.context, a.steps, warmup=a.warmup, timeline=a.timeline, prefill=a.prefill,
                   cached_prefix=a.cached_prefix)
-    step_kind = ("no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else
+    step_kind = ("no speculation" if a.no_spec else f"tree {a.tree}" if a.tree else "D = 0" if a.zero_drafts else
                  f"adaptive D <= {a.draft_len}" if a.adaptive_draft_len else f"D = {a.draft_len}")
     what = f"{res['steps']} prompt steps" if a.prefill else f"context {a.context}"
     if a.cached_prefix:
