@@ -213,6 +213,40 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert policy._owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 for k in policy._owed)
 
 
+def test_a_head_that_never_accepts_reaches_steps_of_d0_through_the_graphs_they_need(dirs, reference, monkeypatch):
+    """Under graphs (emulated: the layouts run) a head that never accepts rents the D that has its graph while D = 0
+    has none, then takes D = 0 and keeps it: the step after the choice still verifies the last drafts (as wide as
+    them), and the one after captures D = 0's graph. Weighing each choice by the graph of the step it makes (as wide
+    as the drafts it verifies) instead chose 0 only for steps that ran wide and never ran one of D = 0."""
+    import specserve.speculative.draft_len as draft_len
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    prompts, ref, refs = reference
+    monkeypatch.setattr(draft_len, "CAPTURE_SECONDS", 1.5)  # two steps' rent, in the synthetic costs' seconds
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    policy = llm.engine.draft_policy
+    policy.costs = StepCosts([8], [[1.0, 1.3, 1.6, 1.9]])
+    policy.timed = False
+    spec = runner.speculator
+    spec.drafter.head = OracleHead(refs, llm.engine.model_config.vocab_size, 0).bind(llm.engine.model)
+    ran, plan = [], spec.plan_step
+
+    def spy(sched, draft_len=None, captured=None):
+        d = plan(sched, draft_len, captured)
+        if spec.generation_step(sched):
+            ran.append(spec.step_draft_len)
+        return d
+
+    monkeypatch.setattr(spec, "plan_step", spy)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    # the first 8 rows run together for 19 steps (nothing is accepted): two rent steps, the step that verifies the
+    # last drafts, then D = 0 in their own layout (not only once rows finish and layouts without graphs come)
+    assert 0 in ran[:8] and ran.count(0) > len(ran) // 2, ran
+
+
 def test_draft_length_settings_are_checked():
     ok = SpeculativeConfig(draft_model="random", max_draft_len=4, draft_len_schedule={"4": 4, "8": 2})
     assert ok.draft_len_schedule == {4: 4, 8: 2} and ok.varies_draft_len

@@ -344,7 +344,7 @@ class DraftLenPolicy:
                 best, lost = prefer_captured(tokens, seconds, d, best, captured.has, self._owed.get(key, 0.0))
                 if lost:
                     self._owed[key] = self._owed.get(key, 0.0) + lost
-                else:
+                elif captured.has(best):  # paid off; until then (a step wider than best runs first) the debt stands
                     self._owed.pop(key, None)
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:

@@ -200,8 +200,9 @@ class Speculator(SpeculatorBase):
         verifies and drafts s a row."""
         widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         if draft_len is None:
-            has = None if captured is None else GraphCheck(lambda d: captured.has(max(d, widest)), captured.layout)
-            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), has)
+            # the policy weighs the graphs of the steps after this one: a choice below ``widest`` costs this step
+            # nothing (it verifies and drafts ``widest``) but commits the next ones to a graph of its own D
+            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), captured)
         # where D varies, a step drafts as many as it verifies (at least): a batch size and table width then have
         # a graph per D (the start-up cost measurement captures those of its batch sizes), not one per (verified,
         # drafted) pair, each captured mid-run the first time a change of D needs it (docs/BENCHMARKS.md, adaptive
