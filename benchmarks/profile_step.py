@@ -131,8 +131,7 @@ def main() -> None:
                     help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`)")
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--adaptive-draft-len", action="store_true",
-                    help="the adaptive draft length (with a random head it settles at D = 0: what a speculative "
-                         "engine's step that drafts nothing costs)")
+                    help="the adaptive draft length (the steps it chooses; --zero-drafts profiles steps of D = 0)")
     ap.add_argument("--zero-drafts", action="store_true",
                     help="every step drafts nothing (what a speculative engine's step of D = 0 costs, the adaptive "
                          "draft length's choice for a head that accepts nothing)")
