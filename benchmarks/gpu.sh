@@ -324,7 +324,7 @@ for st in "$@"; do
                      --json $OUT/prefill-$s.json 2>&1 \
                      | quiet | sed -n 1,36p
                  done ;;
-    zeroprof) for b in ${ZERO_BATCHES:-1 32}; do for s in plain zero; do
+    zeroprof) for b in ${ZERO_BATCHES:-1 32}; do for s in plain d0; do
                 a=(--draft random --zero-drafts); [ $s = plain ] && a=(--no-spec)
                 echo "--- batch $b, $s"
                 timeout "$(lim 90)" python3 benchmarks/profile_step.py --model random:smollm2-135m "${a[@]}" \

@@ -16,7 +16,9 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   wait doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
   and another D already has its graph, a D without one is first rented, not bought (``prefer_captured``): the
   steps take the best D that has a graph and count the seconds that costs them against the best, and the best D's
-  graph is captured once those seconds reach what a capture costs (``CAPTURE_SECONDS``), so that a batch draining
+  graph is captured once those seconds reach what a capture costs (``CAPTURE_SECONDS``; the graph weighed is each
+  D's own, which the steps after a choice run, not that of the step that still verifies the last drafts, and the
+  debt stands until that graph exists), so that a batch draining
   through its batch sizes does not capture graphs mid-run that its few steps at a size never repay, while a batch
   size that lasts gets its best D (a probe too keeps to a D with a graph where one has);
 
@@ -286,7 +288,8 @@ class DraftLenPolicy:
         # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
         self._tokens_memo: _TokensMemo | None = None
         # seconds lost so far by steps of (a graph's rows and width, D) that took a D with a graph instead of the best
-        # D, which had none (``prefer_captured``)
+        # D, which had none (``prefer_captured``); kept until that D's graph exists (the step that first takes it may
+        # still verify wider drafts, in another graph)
         self._owed: dict[tuple, float] = {}
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
@@ -344,7 +347,7 @@ class DraftLenPolicy:
                 best, lost = prefer_captured(tokens, seconds, d, best, captured.has, self._owed.get(key, 0.0))
                 if lost:
                     self._owed[key] = self._owed.get(key, 0.0) + lost
-                elif captured.has(best):  # paid off; until then (a step wider than best runs first) the debt stands
+                elif captured.has(key[1]):  # paid off; until then (a wider step runs first) the debt stands
                     self._owed.pop(key, None)
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
