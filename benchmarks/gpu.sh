@@ -62,6 +62,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
   trace        benchmarks/step_trace.py: each step of the chat prompts at TRACE_BATCH (64) rows, engine by engine of
                TRACE_MODES ("plain 4 2 adaptive"): its time, D, graph layouts, captures and eager steps; 300 s
+  tracerand    the same with random weights and a random head over 128-token random prompts at TRACE_BATCH (1) rows,
+               TRACE_MODES (adaptive), with what the policy weighed each step (expected tokens, step costs, rent
+               owed); 200 s
   server       `specserve serve` under load (benchmarks/bench_server.py): 512 streamed chat requests of 128 tokens
                at 64 and 256 concurrent clients, speculation off and on: requests/s, TTFT and TPOT (FastAPI,
                uvicorn, pydantic and opentelemetry-api travel as wheels in .whl/); 300 s
@@ -124,7 +127,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures "
+STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures trace tracerand "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -293,6 +296,9 @@ for st in "$@"; do
     adaptiverand) bench "$(lim 240)" --model random:smollm2-135m --draft random --draft-len 4 --adaptive-draft-len \
                     --ignore-eos --random-input-len 128 --batch-size 1 8 32 --max-tokens 128 --num-prompts 16 \
                     --repeats 3 --interleave --out $OUT/adaptiverand | tail -24 ;;
+    tracerand) timeout "$(lim 200)" python3 benchmarks/step_trace.py --model random:smollm2-135m --draft random \
+                 --random-input-len 128 --max-tokens 128 --ignore-eos --batch "${TRACE_BATCH:-1}" \
+                 --modes ${TRACE_MODES:-adaptive} --show 16 2>&1 | quiet | tail -80 ;;
     trace) need_model && timeout "$(lim 300)" python3 benchmarks/step_trace.py --model $M --draft $HEAD \
              --batch "${TRACE_BATCH:-64}" --modes ${TRACE_MODES:-plain 4 2 adaptive} 2>&1 | quiet | tail -80 ;;
     server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \

@@ -6,6 +6,11 @@ runs, so later runs find the prompts cached).
 
     python benchmarks/step_trace.py --model /root/model.gguf --draft specserve/heads/smollm2-135m-eagle3 \\
         --batch 64 --modes plain 4 2 adaptive
+
+With the adaptive draft length each step also records what the policy weighed: the D it proposed, the expected
+tokens and the step seconds by D for the step's rows, and the rent owed (``draft_len.prefer_captured``).
+``--random-input-len N`` sends random prompts of N tokens instead of the chat prompts (a random model's word
+vocabulary has no chat template), with ``--ignore-eos`` the replies run to ``--max-tokens``.
 """
 
 from __future__ import annotations
@@ -37,13 +42,26 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
         return launch(sub, layout)
 
     trace: list[dict] = []
+    spec = runner.speculator
+    policy = spec.policy if spec is not None and hasattr(spec.policy, "_owed") else None
+    if policy is not None and policy.adaptive:
+        choose = policy.choose
+
+        def traced_choose(requests, generation=False, captured=None):
+            d = choose(requests, generation, captured)
+            memo = policy._tokens_memo
+            cur.update(proposed=d, tokens=None if memo is None else [round(float(t), 3) for t in memo.tokens],
+                       step_ms=None if policy.live is None else
+                       [round(t * 1e3, 3) for t in policy.live.row(len(requests))],
+                       owed_ms=round(sum(policy._owed.values()) * 1e3, 2))
+            return d
+        policy.choose = traced_choose
 
     def traced_step():
-        cur.update(eager=0, layouts=[])
+        cur.update(eager=0, layouts=[], proposed=None, tokens=None, step_ms=None, owed_ms=None)
         rows, captured = len(eng.scheduler.running), graphs.captures if graphs is not None else 0
         t0 = time.perf_counter()
         out = step()
-        spec = runner.speculator
         trace.append(dict(seconds=time.perf_counter() - t0, rows=rows,
                           draft_len=spec.step_draft_len if spec is not None else None,
                           captures=(graphs.captures if graphs is not None else 0) - captured, **cur))
@@ -75,8 +93,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--show", type=int, default=8, help="steps printed one by one")
     ap.add_argument("--kv-cache-memory", type=int, default=4_000_000_000, help="KV cache bytes of each engine")
+    ap.add_argument("--random-input-len", type=int, default=None, metavar="N",
+                    help="random prompts of N tokens (one per row, seeded) instead of the chat prompts")
+    ap.add_argument("--ignore-eos", action="store_true")
     a = ap.parse_args()
-    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
     for mode in a.modes:
         spec = None
         if mode != "plain":
@@ -87,8 +108,13 @@ def main() -> None:
         llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec,
                   kv_cache_memory_bytes=a.kv_cache_memory)
         tok = llm.engine.tokenizer
-        ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if tok.has_chat_template else tok.encode(t)
-               for t in DEFAULT_PROMPTS]
+        if a.random_input_len:
+            g = torch.Generator().manual_seed(0)
+            vocab = llm.engine.model_config.vocab_size
+            ids = [torch.randint(10, vocab, (a.random_input_len,), generator=g).tolist() for _ in range(a.batch)]
+        else:
+            ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if tok.has_chat_template else
+                   tok.encode(t) for t in DEFAULT_PROMPTS]
         seconds, trace = trace_engine(llm, [{"prompt_token_ids": ids[i % len(ids)]} for i in range(a.batch)], sp,
                                       a.runs)
         print(f"=== {mode}, batch {a.batch}: {seconds * 1e3:.1f} ms, {len(trace)} steps")
@@ -101,7 +127,15 @@ def main() -> None:
         for t in trace[:a.show]:
             lay = ", ".join(f"{x.rows}x{x.q}/{x.table_width}{' prefill' if x.prefill else ''}" for x in t["layouts"])
             print(f"  {t['seconds'] * 1e3:7.3f} ms  rows {t['rows']}  D {t['draft_len']}  [{lay}]"
-                  f"{'  eager' if t['eager'] else ''}{'  capture' if t['captures'] else ''}")
+                  f"{'  eager' if t['eager'] else ''}{'  capture' if t['captures'] else ''}"
+                  + ("" if t["proposed"] is None else f"  proposed {t['proposed']} tokens {t['tokens']} step ms "
+                     f"{t['step_ms']} owed {t['owed_ms']} ms"))
+        weighed = [t for t in trace if t["proposed"] is not None]
+        if weighed:  # the policy's view across the run: every show-th step
+            print("  the policy's inputs across the run (step: proposed, expected tokens by D, step ms by D, owed ms)")
+            for i in range(0, len(weighed), max(1, len(weighed) // a.show)):
+                t = weighed[i]
+                print(f"    {i:5d}: {t['proposed']}  {t['tokens']}  {t['step_ms']}  {t['owed_ms']}")
         del llm
 
 
