@@ -319,12 +319,10 @@ def _flat_index(query_index: torch.Tensor, t: int) -> torch.Tensor:
 
 if HAVE_TRITON:
     @triton.jit
-    def _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT: tl.constexpr, G: tl.constexpr,
-                      BLOCK_M: tl.constexpr):
-        """Rows of the tile of program ``pid``: m = (query j of row b) * G + grouped head gi.
-        -> row b, gi, valid [BLOCK_M], flat token qi, position qp (-1 where not valid)."""
+    def _tile_queries(pid, m, QIDX, QPOS, s_qi, T, QW, NQT, QPT: tl.constexpr, G: tl.constexpr):
+        """Rows ``m`` of the tile of program ``pid`` (the whole tile, or the merge kernel's slice of it): m = (query j
+        of row b) * G + grouped head gi. -> row b, gi, valid, flat token qi, position qp (-1 where not valid)."""
         b = (pid // NQT).to(tl.int64)
-        m = tl.arange(0, BLOCK_M)
         j = (pid % NQT) * QPT + m // G
         valid = (m < QPT * G) & (j < QW)
         qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
@@ -380,7 +378,7 @@ if HAVE_TRITON:
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        b, gi, valid, qi, qp = _tile_queries(pid, QIDX, QPOS, s_qi, T, QW, NQT, QPT, G, BLOCK_M)
+        b, gi, valid, qi, qp = _tile_queries(pid, tl.arange(0, BLOCK_M), QIDX, QPOS, s_qi, T, QW, NQT, QPT, G)
         hq = kvh * G + gi
         dd = tl.arange(0, HEAD_D)
         dm = dd < D
@@ -460,13 +458,8 @@ if HAVE_TRITON:
         pdl_wait(PDL)
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = (pid // NQT).to(tl.int64)
         m = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # the slice's tile rows
-        j = (pid % NQT) * QPT + m // G
-        valid = (m < QPT * G) & (j < QW)
-        qi = tl.load(QIDX + b * s_qi + j, mask=valid, other=0)
-        valid = valid & (qi < T)
-        qp = tl.load(QPOS + b * s_qi + j, mask=valid, other=-1)
+        b, gi, valid, qi, qp = _tile_queries(pid, m, QIDX, QPOS, s_qi, T, QW, NQT, QPT, G)
         # splits that saw keys of these rows (every split wrote its partial sums; past a row's position l = 0)
         n_used = tl.minimum((tl.max(qp, axis=0) + SPLIT) // SPLIT, NS)
         dd = tl.arange(0, HEAD_D)
@@ -483,6 +476,6 @@ if HAVE_TRITON:
                 m_tot, l_tot, acc = _merge_splits(PACC, PML, base0 + c * SC, NS - c * SC, m, dd,
                                                   m_tot, l_tot, acc, BLOCK_M, HEAD_D, SC)
         out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
-        hq = kvh * G + m % G
+        hq = kvh * G + gi
         tl.store(O + qi[:, None] * so_t + hq[:, None] * so_h + dd[None, :], out.to(O.dtype.element_ty),
                  mask=valid[:, None] & (dd < D)[None, :])
