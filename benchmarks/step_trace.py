@@ -24,6 +24,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.bench.prompts import DEFAULT_PROMPTS
+from specserve.speculative.draft_len import DraftLenPolicy
 
 
 def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> tuple[float, list[dict]]:
@@ -43,8 +44,8 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
 
     trace: list[dict] = []
     spec = runner.speculator
-    policy = spec.policy if spec is not None and hasattr(spec.policy, "_owed") else None
-    if policy is not None and policy.adaptive:
+    policy = spec.policy if spec is not None else None
+    if isinstance(policy, DraftLenPolicy) and policy.adaptive:
         choose = policy.choose
 
         def traced_choose(requests, generation=False, captured=None):

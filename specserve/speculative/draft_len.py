@@ -18,9 +18,9 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   steps take the best D that has a graph and count the seconds that costs them against the best, and the best D's
   graph is captured once those seconds reach what a capture costs (``CAPTURE_SECONDS``; the graph weighed is each
   D's own, which the steps after a choice run, not that of the step that still verifies the last drafts, and the
-  debt stands until that graph exists), so that a batch draining
-  through its batch sizes does not capture graphs mid-run that its few steps at a size never repay, while a batch
-  size that lasts gets its best D (a probe too keeps to a D with a graph where one has);
+  debt stands until that graph exists), so that a batch draining through its batch sizes does not capture graphs
+  mid-run that its few steps at a size never repay, while a batch size that lasts gets its best D (a probe too
+  keeps to a D with a graph where one has);
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine

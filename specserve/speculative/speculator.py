@@ -19,6 +19,7 @@ Nothing here knows which head it runs.
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 import torch
 
