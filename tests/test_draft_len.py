@@ -209,8 +209,48 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert len(calls) > 10 and all(have[d] for d, have in calls if any(have))
     # steps where the best, D = 1, had no graph and another D had one (which they took)
     assert any(not have[1] and any(have) for _, have in calls[7:])
-    # their losses are counted by the graph's layout (padded rows, table width), which the runner names
-    assert policy._owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 for k in policy._owed)
+    # their losses are counted by what the step's graphs share (a generation step's padded rows and table width, a
+    # prompt step's prefill layout), which the runner names
+    assert policy._owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 or k[0].prefill for k in policy._owed)
+
+
+def test_a_prompt_step_keeps_to_a_draft_length_whose_prefill_graph_exists(dirs, reference, monkeypatch):
+    """A prompt step's graph (a prefill layout) is captured per D too (D is its switch): once the best D changes, a
+    prompt step whose layout has a graph for another D takes that D rather than capture one mid-run (emulated
+    graphs, one row at a time, a capture made to cost more than any gain); greedy outputs are plain's."""
+    import specserve.speculative.draft_len as draft_len
+    from specserve.runner.cuda_graph import CudaGraphs
+    from specserve.runner.model_runner import GraphLayout
+
+    prompts, ref, refs = reference
+    monkeypatch.setattr(draft_len, "CAPTURE_SECONDS", 1e9)
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=1)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(1, runner._staging_buffers(), capture=False)
+    policy = llm.engine.draft_policy
+    policy.costs = StepCosts([1], [[1.0, 1.1, 1.2, 1.3]])  # the oracle's 2 right drafts: D = 2 the best
+    policy.timed = False
+    llm.engine.runner.speculator.drafter.head = OracleHead(refs, llm.engine.model_config.vocab_size, 2).bind(
+        llm.engine.model)
+    first = prompts[:3]
+    assert [o.token_ids for o in llm.generate(first, GREEDY)] == ref[:3]
+    policy.live = StepCosts([1], [[1.0, 1.0, 5.0, 5.0]])  # now D = 1 is the best by far
+    prompt_steps, choose = [], policy.choose
+
+    def spy(requests, generation=False, captured=None):
+        d = choose(requests, generation, captured)
+        lay = captured.layout() if captured is not None else None
+        if isinstance(lay, GraphLayout) and lay.prefill:
+            prompt_steps.append((d, [captured.has(k) for k in range(policy.max_draft_len + 1)]))
+        return d
+
+    policy.choose = spy
+    assert [o.token_ids for o in llm.generate(first, GREEDY)] == ref[:3]
+    # the same prompts' layouts have their graphs of the first run's D (where the staging buffers have not moved
+    # since), none of D = 1: such a prompt step takes a D with its graph
+    assert len(prompt_steps) == 3 and all(have[d] for d, have in prompt_steps if any(have)), prompt_steps
+    assert sum(any(have) and not have[1] for _, have in prompt_steps) >= 2, prompt_steps
 
 
 def test_a_head_that_never_accepts_reaches_steps_of_d0_through_the_graphs_they_need(dirs, reference, monkeypatch):

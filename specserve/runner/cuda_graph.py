@@ -29,11 +29,12 @@ def capture_sizes(max_rows: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GraphCheck:
-    """Which draft lengths a step has its CUDA graph for (``ModelRunner._generation_graphs``), for choices that
-    weigh a capture (``draft_len.prefer_captured``)."""
+    """Which draft lengths a step has its CUDA graph for (``ModelRunner._graph_check``), for choices that weigh a
+    capture (``draft_len.prefer_captured``)."""
 
-    has: Callable[[int], bool]  # whether the step's graph exists when it verifies and drafts D a row
-    # the graph's padded rows and table width, which every D's graph of the step shares (None: no generation graph)
+    has: Callable[[int], bool]  # whether the step's graph exists when it proposes D drafts a row
+    # what every D's graph of the step shares: a generation step's padded rows and table width, a prompt step's
+    # prefill layout (None: no graph step)
     layout: Callable[[], Hashable | None] = lambda: None
 
 
@@ -48,19 +49,19 @@ class CudaGraphs:
         self._generation: tuple[int, ...] | None = None
         self.steps = 0  # replays (or runs) of a graph layout: each part of a split engine step counts
         self.captures = 0  # graphs captured so far (never lowered: a moved staging buffer drops the graphs)
-        self._layouts: set = set()  # layouts with a graph (without capture: layouts run)
+        self._kinds: set = set()  # ``has``'s kinds of the keys with a graph (without capture: of the keys run)
 
     def padded_rows(self, rows: int) -> int | None:
         """The smallest captured size >= rows, or None when the batch is too large for a graph."""
         return next((s for s in self.sizes if s >= rows), None)
 
-    def has(self, layout) -> bool:
-        """Whether a step in ``layout`` costs no capture: a graph of it is captured (for some host switches) and
-        the staging buffers have not moved since. Without capture (enforce_eager, CPU tests), whether a step ran in
-        it: the same answers as with capture, so that choices made on them (the draft length) stay the same."""
-        if not self.capture:
-            return layout in self._layouts
-        return layout in self._layouts and tuple(s.generation for s in self._staging) == self._generation
+    def has(self, kind) -> bool:
+        """Whether a step of ``kind`` costs no capture: a graph of a key of that kind (a runner's ``GraphKey.kind``:
+        its layout and draft length, whatever its other switches; another key: itself) is captured and the staging
+        buffers have not moved since. Without capture (enforce_eager, CPU tests), whether a step of it ran since
+        they last moved: the same answers as with capture, so that choices made on them (the draft length) stay
+        the same."""
+        return kind in self._kinds and tuple(s.generation for s in self._staging) == self._generation
 
     @property
     def num_captured(self) -> int:
@@ -76,15 +77,16 @@ class CudaGraphs:
         changes its own inputs, as the overlap scheduler's correction does) the warm-up is the step's one run and
         its outputs are returned."""
         self.steps += 1
-        if not self.capture:
-            self._layouts.add(key[0])
-            return step()
         gen = tuple(s.generation for s in self._staging)
         if gen != self._generation:  # a staging buffer moved: graphs would read stale addresses
             self._graphs.clear()
-            self._layouts.clear()
+            self._kinds.clear()
             self._pool = None  # freed with its last graph; capturing into it again trips the allocator
             self._generation = gen
+        kind = getattr(key, "kind", key)
+        if not self.capture:
+            self._kinds.add(kind)
+            return step()
         entry = self._graphs.get(key)
         if entry is None:
             side = torch.cuda.Stream()
@@ -97,7 +99,7 @@ class CudaGraphs:
                 out = step()
             self._pool = graph.pool()
             entry = self._graphs[key] = (graph, out)
-            self._layouts.add(key[0])
+            self._kinds.add(kind)
             self.captures += 1
             log.debug("captured CUDA graph %s (%d in all)", key, len(self._graphs))
             if not rerun:

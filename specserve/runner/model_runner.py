@@ -10,7 +10,7 @@ reads a device value.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 if TYPE_CHECKING:
     from specserve.speculative.speculator import Speculator
 
-__all__ = ["GraphLayout", "Launched", "ModelRunner", "RowResult"]
+__all__ = ["GraphKey", "GraphLayout", "Launched", "ModelRunner", "RowResult"]
 
 
 @dataclass
@@ -55,6 +55,20 @@ class GraphLayout:
     table_width: int  # block-table entries per row (covers max_model_len)
     prefill: bool = False  # rows ending their prompts (``_prefill_layout``), not a generation step, whatever q is
     from_zero: bool = False  # that prefill's rows are whole prompts, from position 0 (``AttentionMetadata.from_zero``)
+
+
+class GraphKey(NamedTuple):
+    """The graph a step replays (``ModelRunner.graph_key``)."""
+
+    layout: GraphLayout
+    switches: StepSwitches  # the host switches its code takes
+    size: int  # the record's size (the captured copy fixes it)
+
+    @property
+    def kind(self) -> tuple[GraphLayout, int]:
+        """What a choice of draft length asks of the graphs (``CudaGraphs.has``): the layout and the drafts the
+        step proposes a row (its other switches follow the requests, not the choice)."""
+        return self.layout, self.switches.draft_len
 
 
 @dataclass
@@ -178,24 +192,32 @@ class ModelRunner:
             width = min(self.graph_table_width, width * 2)
         return max(width, need)
 
-    def _generation_graphs(self, batch: SchedulerOutput) -> GraphCheck:
-        """For the draft length's choice: whether a generation step of these rows that verifies and drafts s a row
-        costs no capture (``CudaGraphs.has``; False where the step is no generation graph step), and the graph's
-        padded rows and table width (None where it is no such step), computed once, on the first call."""
-        layout: list[tuple[int, int] | None] = []
+    def _graph_check(self, batch: SchedulerOutput) -> GraphCheck:
+        """For the draft length's choice: whether the step of these rows has its graph for proposing s drafts a row
+        (``CudaGraphs.has``): a generation step's layout of 1 + s tokens a row, or the prefill layout of rows that
+        end their prompts, with s as its switch (False where the step is no such graph step); and what every s's
+        graph of the step shares (the generation layout's padded rows and table width, or the prefill layout;
+        None where it is no such step), computed once, on the first call."""
+        shared: list[tuple[int, int] | GraphLayout | None] = []
 
-        def key() -> tuple[int, int] | None:
-            if not layout:
+        def layout() -> tuple[int, int] | GraphLayout | None:
+            if not shared:
                 sched = batch.scheduled
-                rows = None if self.graphs is None or not all(map(self._generation_row, sched)) else \
-                    self.graphs.padded_rows(len(sched))
-                layout.append(None if rows is None else (rows, self._table_width(sched)))
-            return layout[0]
+                if self.graphs is None:
+                    shared.append(None)
+                elif all(map(self._generation_row, sched)):
+                    rows = self.graphs.padded_rows(len(sched))
+                    shared.append(None if rows is None else (rows, self._table_width(sched)))
+                else:
+                    shared.append(self._prefill_layout(batch))
+            return shared[0]
 
         def has(s: int) -> bool:
-            k = key()
-            return k is not None and self.graphs.has(GraphLayout(k[0], 1 + s, k[1]))
-        return GraphCheck(has, key)
+            k = layout()
+            if k is None:
+                return False
+            return self.graphs.has((k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s))
+        return GraphCheck(has, layout)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
@@ -309,10 +331,8 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def graph_key(layout: GraphLayout, switches: StepSwitches, rec: Record) -> tuple:
-        """The graph a step replays: its layout, host switches and the record's size (the captured copy fixes
-        it)."""
-        return layout, switches, rec.size
+    def graph_key(layout: GraphLayout, switches: StepSwitches, rec: Record) -> GraphKey:
+        return GraphKey(layout, switches, rec.size)
 
     def graph_batch(self, rec: Record, switches: StepSwitches, layout: GraphLayout,
                     host_rows: list | None = None) -> StepBatch:
@@ -355,7 +375,7 @@ class ModelRunner:
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites).
         ``draft_len``: the drafts the step proposes, instead of the speculator's choice (step-cost measurements)."""
         if self.speculator is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
-            most = self.speculator.plan_step(batch.scheduled, draft_len, self._generation_graphs(batch))
+            most = self.speculator.plan_step(batch.scheduled, draft_len, self._graph_check(batch))
             for s in batch.scheduled:
                 s.next_drafts = most
         if self.overlap:
