@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -34,24 +35,41 @@ def measure(model: str, max_rows: int) -> None:
         print(b, " ".join(f"{x * 1e3:.3f}" for x in s))
 
 
-def replay(batch: int, costs_ms: list[float], runs: int, tokens: int) -> None:
+def replay(batch: int, costs_ms: list[float], runs: int, tokens: int, timed: bool = False,
+           max_rows: int | None = None, model: str | None = None) -> None:
     from specserve.bench.engine_run import EngineRun
     from specserve.bench.run import BenchConfig
     from specserve.runner.cuda_graph import CudaGraphs
     from tiny_models import make_target_and_eagle3
 
-    root = Path(tempfile.mkdtemp())
-    make_target_and_eagle3(root)
-    cfg = BenchConfig(model=str(root / "target"), draft=str(root / "eagle3"), draft_len=len(costs_ms) - 1,
-                      batch_sizes=[batch], max_tokens=tokens, ignore_eos=True, num_prompts=16, repeats=runs,
-                      device="cpu", dtype="float32", adaptive=True)
+    if model is None:
+        root = Path(tempfile.mkdtemp())
+        make_target_and_eagle3(root)
+        model, draft, vocab = str(root / "target"), str(root / "eagle3"), 200
+    else:
+        draft, vocab = "random", 49152
+    cfg = BenchConfig(model=model, draft=draft, draft_len=len(costs_ms) - 1,
+                      batch_sizes=sorted({batch, max_rows or batch}), max_tokens=tokens, ignore_eos=True,
+                      num_prompts=16, repeats=runs, device="cpu", dtype="float32", adaptive=True)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (128,), generator=g).tolist() for _ in range(16)]
+    prompts = [torch.randint(3, vocab, (128,), generator=g).tolist() for _ in range(16)]
     e = EngineRun(cfg, prompts, True, tree="adaptive")
     eng = e.eng
-    eng.runner.graphs = CudaGraphs(batch, eng.runner._staging_buffers(), capture=False)
+    eng.runner.graphs = CudaGraphs(max_rows or batch, eng.runner._staging_buffers(), capture=False)
     eng.draft_policy.costs = StepCosts([batch], [[t * 1e-3 for t in costs_ms]])
-    eng.draft_policy.timed = False  # the costs stay as given (the CPU's own periods are not the GPU's)
+    if timed:  # the policy observes step periods on a clock that each step advances by its GPU cost
+        from specserve.speculative import draft_len
+        clock = [0.0]
+        draft_len.time = SimpleNamespace(perf_counter=lambda: clock[0])
+        step, spec = eng._step, eng.runner.speculator
+
+        def timed_step():
+            out = step()
+            clock[0] += costs_ms[min(spec.step_draft_len, len(costs_ms) - 1)] * 1e-3
+            return out
+        eng._step = timed_step
+    else:
+        eng.draft_policy.timed = False  # the costs stay as given (the CPU's own periods are not the GPU's)
     for r in range(runs + 1):
         out = e.run(batch, timed=r > 0)
         st = out["stats"]
@@ -67,13 +85,18 @@ def main() -> None:
                     help="milliseconds of a step of --batch rows at D = 0, 1, ...")
     ap.add_argument("--runs", type=int, default=3, help="timed runs after the warm-up")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--timed", action="store_true",
+                    help="the policy observes step periods (as the GPU engine does) on a clock that each step "
+                         "advances by the given cost of its D")
+    ap.add_argument("--model", default=None, help="a random:NAME model with a random head instead of the tests' tiny "
+                                                      "target and head")
     ap.add_argument("--measure", metavar="MODEL", default=None)
-    ap.add_argument("--max-rows", type=int, default=32, help="with --measure: the engine's max_num_seqs")
+    ap.add_argument("--max-rows", type=int, default=None, help="the engine's max_num_seqs (replay: default --batch)")
     a = ap.parse_args()
     if a.measure:
-        measure(a.measure, a.max_rows)
+        measure(a.measure, a.max_rows or 32)
     else:
-        replay(a.batch, a.costs_ms, a.runs, a.max_tokens)
+        replay(a.batch, a.costs_ms, a.runs, a.max_tokens, a.timed, a.max_rows, a.model)
 
 
 if __name__ == "__main__":

@@ -54,12 +54,14 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
             cur.update(proposed=d, tokens=None if memo is None else [round(float(t), 3) for t in memo.tokens],
                        step_ms=None if policy.live is None else
                        [round(t * 1e3, 3) for t in policy.live.row(len(requests))],
-                       owed_ms=round(sum(policy._owed.values()) * 1e3, 2))
+                       owed_ms=round(sum(policy._owed.values()) * 1e3, 2),
+                       graphs="".join("-" if captured is None else "1" if captured.has(k) else "0"
+                                      for k in range(policy.max_draft_len + 1)))
             return d
         policy.choose = traced_choose
 
     def traced_step():
-        cur.update(eager=0, layouts=[], proposed=None, tokens=None, step_ms=None, owed_ms=None)
+        cur.update(eager=0, layouts=[], proposed=None, tokens=None, step_ms=None, owed_ms=None, graphs=None)
         rows, captured = len(eng.scheduler.running), graphs.captures if graphs is not None else 0
         t0 = time.perf_counter()
         out = step()
@@ -97,6 +99,8 @@ def main() -> None:
     ap.add_argument("--random-input-len", type=int, default=None, metavar="N",
                     help="random prompts of N tokens (one per row, seeded) instead of the chat prompts")
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--untimed", action="store_true",
+                    help="the adaptive policy keeps its start-up step costs (observes no step periods)")
     a = ap.parse_args()
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
     for mode in a.modes:
@@ -108,6 +112,8 @@ def main() -> None:
                 spec["max_draft_len"] = int(mode)
         llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec,
                   kv_cache_memory_bytes=a.kv_cache_memory)
+        if a.untimed and llm.engine.draft_policy is not None:
+            llm.engine.draft_policy.timed = False
         tok = llm.engine.tokenizer
         if a.random_input_len:
             g = torch.Generator().manual_seed(0)
@@ -130,13 +136,14 @@ def main() -> None:
             print(f"  {t['seconds'] * 1e3:7.3f} ms  rows {t['rows']}  D {t['draft_len']}  [{lay}]"
                   f"{'  eager' if t['eager'] else ''}{'  capture' if t['captures'] else ''}"
                   + ("" if t["proposed"] is None else f"  proposed {t['proposed']} tokens {t['tokens']} step ms "
-                     f"{t['step_ms']} owed {t['owed_ms']} ms"))
+                     f"{t['step_ms']} owed {t['owed_ms']} ms graphs {t['graphs']}"))
         weighed = [t for t in trace if t["proposed"] is not None]
         if weighed:  # the policy's view across the run: every show-th step
-            print("  the policy's inputs across the run (step: proposed, expected tokens by D, step ms by D, owed ms)")
+            print("  the policy's inputs across the run (step: proposed, expected tokens by D, step ms by D, owed ms, "
+                  "which D have the step's graph)")
             for i in range(0, len(weighed), max(1, len(weighed) // a.show)):
                 t = weighed[i]
-                print(f"    {i:5d}: {t['proposed']}  {t['tokens']}  {t['step_ms']}  {t['owed_ms']}")
+                print(f"    {i:5d}: {t['proposed']}  {t['tokens']}  {t['step_ms']}  {t['owed_ms']}  {t['graphs']}")
         del llm
 
 
