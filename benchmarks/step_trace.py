@@ -48,8 +48,8 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
     if isinstance(policy, DraftLenPolicy) and policy.adaptive:
         choose = policy.choose
 
-        def traced_choose(requests, generation=False, captured=None):
-            d = choose(requests, generation, captured)
+        def traced_choose(requests, generation=False, captured=None, verifying=0):
+            d = choose(requests, generation, captured, verifying)
             memo = policy._tokens_memo
             cur.update(proposed=d, tokens=None if memo is None else [round(float(t), 3) for t in memo.tokens],
                        step_ms=None if policy.live is None else

@@ -58,7 +58,7 @@ def _random_lengths(llm: LLM, seed: int) -> list[int]:
     d = policy.max_draft_len
     first = [0, d, 1, d, 0, 0, d, d, 2 % (d + 1)]
 
-    def choose(requests, generation=False, captured=None):
+    def choose(requests, generation=False, captured=None, verifying=0):
         chosen.append(first[len(chosen)] if len(chosen) < len(first) else rng.randint(0, d))
         return chosen[-1]
 
@@ -196,10 +196,10 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
         llm.engine.model)
     calls, choose = [], policy.choose
 
-    def spy(requests, generation=False, captured=None):
+    def spy(requests, generation=False, captured=None, verifying=0):
         if len(calls) == 6:  # now D = 1 is the best by far, but its steps' layouts have no graphs
             policy.live = StepCosts([8], [[1.0, 1.0, 5.0, 5.0]])
-        d = choose(requests, generation, captured)
+        d = choose(requests, generation, captured, verifying)
         if captured is not None:
             calls.append((d, [captured.has(k) for k in range(policy.max_draft_len + 1)]))
         return d
@@ -238,8 +238,8 @@ def test_a_prompt_step_keeps_to_a_draft_length_whose_prefill_graph_exists(dirs, 
     policy.live = StepCosts([1], [[1.0, 1.0, 5.0, 5.0]])  # now D = 1 is the best by far
     prompt_steps, choose = [], policy.choose
 
-    def spy(requests, generation=False, captured=None):
-        d = choose(requests, generation, captured)
+    def spy(requests, generation=False, captured=None, verifying=0):
+        d = choose(requests, generation, captured, verifying)
         lay = captured.layout() if captured is not None else None
         if isinstance(lay, GraphLayout) and lay.prefill:
             prompt_steps.append((d, [captured.has(k) for k in range(policy.max_draft_len + 1)]))

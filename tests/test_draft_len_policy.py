@@ -218,6 +218,32 @@ def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatc
     assert p.live.seconds == [[1.0, 1.890625]]
 
 
+def test_a_period_counts_to_the_width_the_step_ran_at(monkeypatch):
+    """A step that proposes D = 0 while its rows verify the last step's drafts runs as wide as them: under the
+    overlap scheduler the period after it is the next step's (mostly that step's wait), and if it counted to D = 0
+    every switch to D = 0 would charge D = 0 a wide step's cost (on the GPU at one row D = 0's estimate rose to D =
+    4's that way, and D = 0 was never chosen again). It counts to the column the step ran at."""
+    import types
+
+    import specserve.speculative.draft_len as draft_len
+
+    costs = StepCosts([4], [[1.0, 1.5]])
+    p = DraftLenPolicy(1, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[100], accepted_per_pos=[0]))  # nothing accepted: D = 0 the best
+    rows = [_Req([], [])] * 4
+    clock = [0.0]
+    monkeypatch.setattr(draft_len, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    for verifying in (1, 1, 0):  # two steps verifying the last drafts (as wide as D = 1), then one of D = 0
+        assert p.choose(rows, True, verifying=verifying) == 0
+        clock[0] += 1.5
+    assert p.live.seconds == [[1.0, 1.5]]  # the first period counted to D = 1 (1.5, as estimated)
+    assert p.choose(rows, True) == 0  # the last two steps ran at different widths: nothing recorded
+    assert p.live.seconds == [[1.0, 1.5]]
+    clock[0] += 0.8
+    assert p.choose(rows, True) == 0  # two steps of D = 0 in a row: the period counts to D = 0
+    assert p.live.seconds == [[pytest.approx(0.95), 1.5]]
+
+
 def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: after
     ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds, each probe

@@ -234,9 +234,11 @@ class _Launch:
 
 class StepPeriods:
     """Observed step periods (from one choice to the next) as the cost of the last step's (rows, option) where
-    that is unambiguous: the last two steps were generation steps of the same rows and option. (Under the overlap
-    scheduler the period from one launch to the next mostly waits for the step before to finish, so a period is
-    the cost of a step where both agree; a step that changes option, a probe included, is not recorded.)"""
+    that is unambiguous: the last two steps were generation steps of the same rows and option, the option being
+    the step's column of the costs as it ran (a chain's step that proposes D while verifying wider drafts runs as
+    wide as them). (Under the overlap scheduler the period from one launch to the next mostly waits for the step
+    before to finish, so a period is the cost of a step where both agree; a step that changes option, a probe
+    included, is not recorded.)"""
 
     def __init__(self) -> None:
         self._launched: deque[_Launch] = deque(maxlen=2)  # the last two steps chosen for
@@ -331,10 +333,13 @@ class DraftLenPolicy:
                 return min(d, self.max_draft_len)
         return 0
 
-    def choose(self, requests: list, generation: bool = False, captured: GraphCheck | None = None) -> int:
+    def choose(self, requests: list, generation: bool = False, captured: GraphCheck | None = None,
+               verifying: int = 0) -> int:
         """The D of a step whose rows are these requests' (each has ``spec_stats``); ``generation``: every row
         verifies and samples (no prompt tokens); ``captured``: which D have the step's graph (``prefer_captured``;
-        None: no graph step) and the graph's layout, which a rented D's losses are counted by (else the rows)."""
+        None: no graph step) and the graph's layout, which a rented D's losses are counted by (else the rows);
+        ``verifying``: the most drafts a row of the step verifies (it runs as wide as the larger of those and D:
+        the step costs column max(D, verifying), which its observed period is counted to)."""
         now = time.perf_counter()
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
@@ -365,7 +370,7 @@ class DraftLenPolicy:
                 d = self.last = best
         else:
             self.last = d
-        self.periods.launch(self.live if self.timed else None, len(requests), d, generation, now)
+        self.periods.launch(self.live if self.timed else None, len(requests), max(d, verifying), generation, now)
         return d
 
     def _expected_tokens(self, stats: list[SpecStats]) -> np.ndarray:

@@ -203,7 +203,8 @@ class Speculator(SpeculatorBase):
         if draft_len is None:
             # the policy weighs the graphs of the steps after this one: a choice below ``widest`` costs this step
             # nothing (it verifies and drafts ``widest``) but commits the next ones to a graph of its own D
-            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), captured)
+            draft_len = self.policy.choose([s.request for s in sched], self.generation_step(sched), captured,
+                                           widest)
         # where D varies, a step drafts as many as it verifies (at least): a batch size and table width then have
         # a graph per D (the start-up cost measurement captures those of its batch sizes), not one per (verified,
         # drafted) pair, each captured mid-run the first time a change of D needs it (docs/BENCHMARKS.md, adaptive
