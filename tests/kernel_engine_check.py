@@ -38,7 +38,7 @@ def run(backend: str, spec: bool, padded: bool, head: str = "e3", overlap: bool 
               max_model_len=64, speculative_config=sc, overlap_scheduler=overlap, async_output=overlap)
     if draft_lens:
         steps = iter(draft_lens * 100)
-        llm.engine.draft_policy.choose = lambda requests, generation=False, captured=None: next(steps)
+        llm.engine.draft_policy.choose = lambda requests, generation=False, captured=None, verifying=0: next(steps)
     if padded:
         llm.engine.runner.graphs = CudaGraphs(8, llm.engine.runner._staging_buffers(), capture=False)
     return [o.token_ids for o in llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=tokens,
