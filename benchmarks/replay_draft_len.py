@@ -47,7 +47,9 @@ def replay(batch: int, costs_ms: list[float], runs: int, tokens: int, timed: boo
         make_target_and_eagle3(root)
         model, draft, vocab = str(root / "target"), str(root / "eagle3"), 200
     else:
-        draft, vocab = "random", 49152
+        from specserve.loaders.random_model import random_config
+
+        draft, vocab = "random", random_config(model).vocab_size
     cfg = BenchConfig(model=model, draft=draft, draft_len=len(costs_ms) - 1,
                       batch_sizes=sorted({batch, max_rows or batch}), max_tokens=tokens, ignore_eos=True,
                       num_prompts=16, repeats=runs, device="cpu", dtype="float32", adaptive=True)

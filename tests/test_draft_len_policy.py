@@ -221,8 +221,8 @@ def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatc
 def test_a_period_counts_to_the_width_the_step_ran_at(monkeypatch):
     """A step that proposes D = 0 while its rows verify the last step's drafts runs as wide as them: under the
     overlap scheduler the period after it is the next step's (mostly that step's wait), and if it counted to D = 0
-    every switch to D = 0 would charge D = 0 a wide step's cost (on the GPU at one row D = 0's estimate rose to D =
-    4's that way, and D = 0 was never chosen again). It counts to the column the step ran at."""
+    every switch to D = 0 would charge D = 0 a wide step's cost, until D = 0 looked no cheaper than drafting. It
+    counts to the column the step ran at."""
     import types
 
     import specserve.speculative.draft_len as draft_len
@@ -235,13 +235,13 @@ def test_a_period_counts_to_the_width_the_step_ran_at(monkeypatch):
     monkeypatch.setattr(draft_len, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     for verifying in (1, 1, 0):  # two steps verifying the last drafts (as wide as D = 1), then one of D = 0
         assert p.choose(rows, True, verifying=verifying) == 0
-        clock[0] += 1.5
-    assert p.live.seconds == [[1.0, 1.5]]  # the first period counted to D = 1 (1.5, as estimated)
+        clock[0] += 2.0
+    assert p.live.seconds == [[1.0, 1.625]]  # the wide step's period counted to D = 1, a quarter of the way
     assert p.choose(rows, True) == 0  # the last two steps ran at different widths: nothing recorded
-    assert p.live.seconds == [[1.0, 1.5]]
+    assert p.live.seconds == [[1.0, 1.625]]
     clock[0] += 0.8
     assert p.choose(rows, True) == 0  # two steps of D = 0 in a row: the period counts to D = 0
-    assert p.live.seconds == [[pytest.approx(0.95), 1.5]]
+    assert p.live.seconds == [[pytest.approx(0.95), 1.625]]
 
 
 def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):

@@ -10,10 +10,11 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   start as measured at engine start (``StepCosts``, by ``measure_step_costs``, or loaded from
   ``step_cost_file``): synthetic steps without the engine's per-row host work (scheduling, token updates,
   detokenizing), so they are lower bounds where the host is the bottleneck. Each generation step's observed
-  period (from one choice to the next) then moves its (rows, D) estimate towards what the engine really pays; a D
-  not run keeps its lower estimate, so it is tried once the one in use has grown past it (``observe``). After
-  ``PROBE_AFTER`` steps of D = 0 in a row one step drafts, so that the requests' estimates can recover (the
-  wait doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
+  period (from one choice to the next) then moves the estimate of its rows and the width it ran at (the larger
+  of its D and the drafts it verified) towards what the engine really pays; a D not run keeps its lower
+  estimate, so it is tried once the one in use has grown past it (``observe``). After ``PROBE_AFTER`` steps of
+  D = 0 in a row one step drafts, so that the requests' estimates can recover (the wait
+  doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
   and another D already has its graph, a D without one is first rented, not bought (``prefer_captured``): the
   steps take the best D that has a graph and count the seconds that costs them against the best, and the best D's
   graph is captured once those seconds reach what a capture costs (``CAPTURE_SECONDS``; the graph weighed is each
@@ -227,7 +228,7 @@ class _Launch:
     """A step a policy chose for (``StepPeriods``)."""
 
     rows: int
-    option: int  # the column of ``StepCosts`` it ran (a chain's D; ``TreeChoice``: chain 0, tree 1)
+    option: int  # the column of ``StepCosts`` it ran (a chain: max(D, drafts verified); a tree: chain 0, tree 1)
     generation: bool
     time: float  # perf_counter seconds at the choice
 
@@ -289,7 +290,7 @@ class DraftLenPolicy:
         # the last expected tokens and what they were computed from: a step at D = 0 changes no request's counts,
         # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
         self._tokens_memo: _TokensMemo | None = None
-        # seconds lost so far by steps of (a graph's rows and width, D) that took a D with a graph instead of the best
+        # seconds lost so far by steps of (what their graphs share, D) that took a D with a graph instead of the best
         # D, which had none (``prefer_captured``); kept until that D's graph exists (the step that first takes it may
         # still verify wider drafts, in another graph)
         self._owed: dict[tuple, float] = {}

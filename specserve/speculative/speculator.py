@@ -197,8 +197,9 @@ class Speculator(SpeculatorBase):
 
     def plan_step(self, sched, draft_len: int | None = None, captured: GraphCheck | None = None) -> int:
         """Before a step of the rows ``sched`` is staged -> the drafts it proposes a row (the policy's choice, or
-        ``draft_len`` where given: step-cost measurements). ``captured.has(s)``: whether the graph of the step's rows
-        and table width exists for verifying and drafting s a row."""
+        ``draft_len`` where given: step-cost measurements). ``captured.has(s)``: whether the step's graph exists for
+        proposing s drafts a row (a generation step's for its rows and table width, verifying and drafting s; a
+        prompt step's prefill graph with s as its switch)."""
         widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
         if draft_len is None:
             # the policy weighs the graphs of the steps after this one: a choice below ``widest`` costs this step
