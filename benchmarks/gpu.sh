@@ -85,6 +85,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                random head's steps that draft nothing (--zero-drafts, the adaptive draft length's D = 0): what such
                a step adds, device (kernels, gaps) and host (idle); 90 s each
   host         profile_host.py on the real model and HEAD with device events (host time per step)
+  hostrand     the same with random weights and a random head over the chat prompts, 128 tokens each, with a third
+               engine held at D = 0 (--zero-drafts): what a step drafting nothing costs the loop over a plain one
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
   prefillattn  bench_attention.py --prefill: the kernel's launch choices for prompt chunks of 512-8,000 tokens
                (key splits, tile rows, keys per iteration, warps) beside dense causal SDPA; 200 s
@@ -127,7 +129,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures trace tracerand "
+STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures trace tracerand hostrand "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -339,6 +341,8 @@ for st in "$@"; do
               done; done ;;
     host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
+    hostrand) timeout "$(lim 150)" python3 benchmarks/profile_host.py --model random:smollm2-135m --draft random \
+                --zero-drafts --events --max-tokens 128 --json $OUT/hostrand.json 2>&1 | quiet | tail -24 ;;
     attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \
                  | grep -v Warning | tail -20 ;;
     cachedattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --cached --json $OUT/cachedattn.json \

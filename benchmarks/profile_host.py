@@ -2,18 +2,19 @@
 over the default chat prompts (speculation off, then on), every piece of ``LLMEngine.step`` timed with
 ``time.perf_counter`` wrappers, and Python's garbage collections timed through ``gc.callbacks``.
 
-Pieces per step (microseconds, mean over every step of the timed run): schedule, layout (picking the graph
-layout), stage (a graph step's record and its upload; of which reserve, the pinned buffer, and upload, the
-copy), launch (the graph replay call, which returns once the work is
-queued), wait (the one device -> host copy: mostly the device finishing the step), results (turning the copy
-into per-row results), update (scheduler bookkeeping), detokenize, outputs (``RequestOutput`` objects), and
-the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each. With
-``--events``, gpu is the device's time of the step's replay (CUDA events around the launch), so wall - gpu is
-what the host adds to a step.
+Pieces per step (microseconds, mean over every step of the timed run): schedule, layout (picking the graph layout),
+stage (a graph step's record and its upload; of which reserve, the pinned buffer, and upload, the copy), launch (the
+graph replay call, which returns once the work is queued), wait (the one device -> host copy: mostly the device
+finishing the step; under the overlap scheduler it is part of results), choose (the draft length's choice), results
+(turning the copy into per-row results), update (scheduler bookkeeping), detokenize, outputs (``RequestOutput``
+objects), and the rest of ``step`` and of ``LLM.generate`` around it. The wrappers add about a microsecond each.
+With ``--events``, gpu is the device's time of the step's replay (CUDA events around the launch), so wall - gpu is
+what the host adds to a step. ``--zero-drafts`` adds a third engine, speculating with the adaptive draft length held
+at D = 0 (its probes aside): what a step that drafts nothing costs over a plain one in the engine's loop.
 
     python benchmarks/profile_host.py [--model M] [--draft HEAD] [--num-prompts 16] [--max-tokens 256]
                                       [--cprofile N]   (also: cProfile's N costliest functions of one more run)
-                                      [--forced-acceptance AL] [--events]
+                                      [--forced-acceptance AL] [--events] [--zero-drafts]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.bench.prompts import DEFAULT_PROMPTS
+from specserve.speculative.draft_len import StepCosts
 
 
 class Timers:
@@ -72,14 +74,21 @@ class _TimedTensor:
 
 
 def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0, forced: float | None = None,
-        events: bool = False, async_output: bool | None = None) -> dict:
+        events: bool = False, async_output: bool | None = None, zero_drafts: bool = False) -> dict:
     spec = dict(method="eagle3", draft_model=draft, max_draft_len=4, forced_acceptance=forced) if draft else None
+    if zero_drafts:
+        spec["adaptive_draft_len"] = True
     llm = LLM(model, speculative_config=spec, max_num_seqs=1, async_output=async_output)
     eng = llm.engine
+    if zero_drafts:  # costs under which drafting never pays: the adaptive policy holds D = 0 (its probes aside)
+        eng.draft_policy.costs = StepCosts([1], [[1e-3] + [1.0] * 4])
+        eng.draft_policy.timed = False
     chat = llm.tokenizer.has_chat_template  # random models' word-level tokenizers have no template
     ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.tokenizer.encode(p)
            for p in prompts]
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=forced is not None)
+    # forced acceptance, or a random model (whose replies would end wherever its end token happens to come)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens,
+                        ignore_eos=forced is not None or str(model).startswith("random:"))
     llm.generate([{"prompt_token_ids": x} for x in ids], sp)  # warm-up: graph capture
     tm = Timers()
     runner = eng.runner
@@ -95,6 +104,8 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0,
     tm.wrap(runner, "launch", "execute")  # the engine's two runner calls: launch (stage + replay), then
     tm.wrap(runner, "collect", "collect")  # collect (the copy back and the per-row results)
     tm.wrap(eng, "step", "step")
+    if eng.draft_policy is not None:
+        tm.wrap(eng.draft_policy, "choose", "choose")  # inside "execute": the draft length's choice
     if runner.graphs is not None:
         graphs = runner.graphs
         real_run = graphs.run
@@ -154,7 +165,7 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0,
     p = best["us_per_step"]
     p["wall"] = best["wall_s"] / best["steps"] * 1e6
     p["execute"] = p.get("execute", 0) + p.pop("collect", 0)
-    p["results"] = p.get("execute", 0) - p.get("stage", 0) - p.get("launch", 0) - p.get("wait", 0) - p.get("layout", 0)
+    p["results"] = p.get("execute", 0) - sum(p.get(k, 0) for k in ("stage", "launch", "wait", "layout", "choose"))
     p["step_other"] = p["step"] - p.get("execute", 0) - sum(p.get(k, 0) for k in ("schedule", "update", "detokenize",
                                                                                   "outputs"))
     p["generate_other"] = p["wall"] - p["step"]
@@ -195,11 +206,14 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, help="print cProfile's N costliest functions")
     ap.add_argument("--forced-acceptance", type=float, default=None,
                     help="forced acceptance length (random heads; runs ignore end of sequence)")
-    ap.add_argument("--only", choices=["off", "on"], default=None, help="run one engine only (one per process)")
+    ap.add_argument("--only", choices=["off", "on", "zero"], default=None, help="run one engine only (one per process)")
     ap.add_argument("--sync", choices=["auto", "spin", "yield", "block"], default=None,
                     help="how the host waits for the device (cudaSetDeviceFlags, before CUDA starts)")
     ap.add_argument("--events", action="store_true",
                     help="also time each replay on the device with CUDA events (adds ~2 records per step)")
+    ap.add_argument("--zero-drafts", action="store_true",
+                    help="a third engine, speculating with the adaptive draft length held at D = 0: what a step "
+                         "that drafts nothing costs the engine's loop over a plain one")
     ap.add_argument("--disable-async-output-proc", action="store_true",
                     help="detokenize and report each step before launching the next")
     a = ap.parse_args()
@@ -210,13 +224,14 @@ def main() -> None:
     draft = a.draft or default_speculative_config("eagle3", 4)["draft_model"]
     prompts = DEFAULT_PROMPTS[:a.num_prompts]
     out = {}
-    for name, d in (("off", None), ("on", draft)):
+    engines = [("off", None, False), ("on", draft, False)] + ([("zero", draft, True)] if a.zero_drafts else [])
+    for name, d, zero in engines:
         if a.only and name != a.only:
             continue
         out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile, a.forced_acceptance, a.events,
-                        False if a.disable_async_output_proc else None)
+                        False if a.disable_async_output_proc else None, zero)
     keys = ["wall", "gpu", "gpu_median", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait",
-            "results", "update", "detokenize", "outputs", "step_other", "generate_other"]
+            "choose", "results", "update", "detokenize", "outputs", "step_other", "generate_other"]
     print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))
     for k in keys:
         print(f"{k:<16}" + "".join(f"{r['us_per_step'].get(k, 0):>10.1f}" for r in out.values()))
