@@ -64,7 +64,7 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                TRACE_MODES ("plain 4 2 adaptive"): its time, D, graph layouts, captures and eager steps; 300 s
   tracerand    the same with random weights and a random head over 128-token random prompts at TRACE_BATCH (1) rows,
                TRACE_MODES (adaptive), with what the policy weighed each step (expected tokens, step costs, rent
-               owed, graphs), TRACE_ARGS passed on (--untimed: start-up costs kept); 200 s
+               owed, which D have the step's graph); 200 s
   server       `specserve serve` under load (benchmarks/bench_server.py): 512 streamed chat requests of 128 tokens
                at 64 and 256 concurrent clients, speculation off and on: requests/s, TTFT and TPOT (FastAPI,
                uvicorn, pydantic and opentelemetry-api travel as wheels in .whl/); 300 s
@@ -300,7 +300,7 @@ for st in "$@"; do
                     --repeats 3 --interleave --out $OUT/adaptiverand | tail -24 ;;
     tracerand) timeout "$(lim 200)" python3 benchmarks/step_trace.py --model random:smollm2-135m --draft random \
                  --random-input-len 128 --max-tokens 128 --ignore-eos --batch "${TRACE_BATCH:-1}" \
-                 --modes ${TRACE_MODES:-adaptive} --show 16 ${TRACE_ARGS:-} 2>&1 | quiet | tail -80 ;;
+                 --modes ${TRACE_MODES:-adaptive} --show 16 2>&1 | quiet | tail -80 ;;
     trace) need_model && timeout "$(lim 300)" python3 benchmarks/step_trace.py --model $M --draft $HEAD \
              --batch "${TRACE_BATCH:-64}" --modes ${TRACE_MODES:-plain 4 2 adaptive} 2>&1 | quiet | tail -80 ;;
     server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \

@@ -99,8 +99,6 @@ def main() -> None:
     ap.add_argument("--random-input-len", type=int, default=None, metavar="N",
                     help="random prompts of N tokens (one per row, seeded) instead of the chat prompts")
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--untimed", action="store_true",
-                    help="the adaptive policy keeps its start-up step costs (observes no step periods)")
     a = ap.parse_args()
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=a.ignore_eos)
     for mode in a.modes:
@@ -112,8 +110,6 @@ def main() -> None:
                 spec["max_draft_len"] = int(mode)
         llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec,
                   kv_cache_memory_bytes=a.kv_cache_memory)
-        if a.untimed and llm.engine.draft_policy is not None:
-            llm.engine.draft_policy.timed = False
         tok = llm.engine.tokenizer
         if a.random_input_len:
             g = torch.Generator().manual_seed(0)

@@ -13,8 +13,8 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   period (from one choice to the next) then moves the estimate of its rows and the width it ran at (the larger
   of its D and the drafts it verified) towards what the engine really pays; a D not run keeps its lower
   estimate, so it is tried once the one in use has grown past it (``observe``). After ``PROBE_AFTER`` steps of
-  D = 0 in a row one step drafts, so that the requests' estimates can recover (the wait
-  doubling after each probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
+  D = 0 in a row one step drafts, so that the requests' estimates can recover (the wait doubling after each
+  probe that changed nothing, up to ``PROBE_MAX``). Where the step runs as a CUDA graph
   and another D already has its graph, a D without one is first rented, not bought (``prefer_captured``): the
   steps take the best D that has a graph and count the seconds that costs them against the best, and the best D's
   graph is captured once those seconds reach what a capture costs (``CAPTURE_SECONDS``; the graph weighed is each
