@@ -78,7 +78,9 @@ def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0,
     spec = dict(method="eagle3", draft_model=draft, max_draft_len=4, forced_acceptance=forced) if draft else None
     if zero_drafts:
         spec["adaptive_draft_len"] = True
-    llm = LLM(model, speculative_config=spec, max_num_seqs=1, async_output=async_output)
+    # a set KV cache, so an engine still held by a reference cycle leaves the next one its memory
+    llm = LLM(model, speculative_config=spec, max_num_seqs=1, async_output=async_output,
+              kv_cache_memory_bytes=2_000_000_000)
     eng = llm.engine
     if zero_drafts:  # costs under which drafting never pays: the adaptive policy holds D = 0 (its probes aside)
         eng.draft_policy.costs = StepCosts([1], [[1e-3] + [1.0] * 4])

@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="the head folder (modes other than plain)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--modes", nargs="+", default=["plain", "4", "adaptive"],
-                    help="plain, a fixed draft length, or adaptive (D in 0..--draft-len each step)")
+                    help="plain, a fixed draft length, adaptive (D in 0..--draft-len each step), or 0 (adaptive held at "
+                         "D = 0: steps that draft nothing)")
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=2)
@@ -105,11 +106,13 @@ def main() -> None:
         spec = None
         if mode != "plain":
             spec = dict(method="eagle3", draft_model=a.draft, max_draft_len=a.draft_len,
-                        adaptive_draft_len=mode == "adaptive")
-            if mode != "adaptive":
+                        adaptive_draft_len=mode in ("adaptive", "0"))
+            if mode not in ("adaptive", "0"):
                 spec["max_draft_len"] = int(mode)
         llm = LLM(a.model, max_num_seqs=a.batch, max_cuda_graph_batch_size=a.batch, speculative_config=spec,
                   kv_cache_memory_bytes=a.kv_cache_memory)
+        if mode == "0":  # the adaptive draft length held at D = 0: each step's layout as narrow as it can be
+            llm.engine.runner.speculator.policy.choose = lambda *args, **kw: 0
         tok = llm.engine.tokenizer
         if a.random_input_len:
             g = torch.Generator().manual_seed(0)
