@@ -77,10 +77,11 @@ def main() -> None:
                     runner._last_record = None
                 t0 = time.perf_counter()
                 layout = runner.graph_layout(batch)
-                rec, switches = runner.stage_graph(batch, layout)
+                step_spec = None if not spec or runner.speculator.drafts_nothing(batch.scheduled) else runner.speculator
+                rec, switches = runner.stage_graph(batch, layout, step_spec)
                 t1 = time.perf_counter()
                 t_in.append(t1 - t0)
-                runner.graph_batch(rec, switches, layout, batch.scheduled)
+                runner.graph_batch(rec, switches, layout, batch.scheduled, step_spec)
                 t_views.append(time.perf_counter() - t1)
                 return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2)
                                               if spec and s.next_drafts > 0 else

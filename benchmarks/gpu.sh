@@ -86,7 +86,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                a step adds, device (kernels, gaps) and host (idle); 90 s each
   host         profile_host.py on the real model and HEAD with device events (host time per step)
   hostrand     the same with random weights and a random head over the chat prompts, 128 tokens each, with a third
-               engine held at D = 0 (--zero-drafts): what a step drafting nothing costs the loop over a plain one
+               engine held at D = 0 (--zero-drafts): what a step drafting nothing costs the loop over a plain one;
+               HOST_BATCH (1) rows a step
   attention    bench_attention.py: Triton, SDPA and FlexAttention inside CUDA graphs
   prefillattn  bench_attention.py --prefill: the kernel's launch choices for prompt chunks of 512-8,000 tokens
                (key splits, tile rows, keys per iteration, warps) beside dense causal SDPA; 200 s
@@ -342,7 +343,8 @@ for st in "$@"; do
     host) need_model && timeout "$(lim 150)" python3 benchmarks/profile_host.py --model $M --draft $HEAD --events \
             --json $OUT/host.json 2>&1 | quiet | tail -22 ;;
     hostrand) timeout "$(lim 150)" python3 benchmarks/profile_host.py --model random:smollm2-135m --draft random \
-                --zero-drafts --events --max-tokens 128 --json $OUT/hostrand.json 2>&1 | quiet | tail -24 ;;
+                --zero-drafts --events --max-tokens 128 --batch "${HOST_BATCH:-1}" --json $OUT/hostrand.json 2>&1 \
+                | quiet | tail -24 ;;
     attention) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --json $OUT/attention.json 2>&1 \
                  | grep -v Warning | tail -20 ;;
     cachedattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --cached --json $OUT/cachedattn.json \

@@ -1,6 +1,7 @@
-"""Where the wall time of an engine step goes on the host, with the real model and device: batch-1 generation
-over the default chat prompts (speculation off, then on), every piece of ``LLMEngine.step`` timed with
-``time.perf_counter`` wrappers, and Python's garbage collections timed through ``gc.callbacks``.
+"""Where the wall time of an engine step goes on the host, with the real model and device: generation over the
+default chat prompts at one row a step (``--batch`` for more), speculation off, then on, every piece of
+``LLMEngine.step`` timed with ``time.perf_counter`` wrappers, and Python's garbage collections timed through
+``gc.callbacks``.
 
 Pieces per step (microseconds, mean over every step of the timed run): schedule, layout (picking the graph layout),
 stage (a graph step's record and its upload; of which reserve, the pinned buffer, and upload, the copy), launch (the
@@ -12,7 +13,7 @@ With ``--events``, gpu is the device's time of the step's replay (CUDA events ar
 what the host adds to a step. ``--zero-drafts`` adds a third engine, speculating with the adaptive draft length held
 at D = 0 (its probes aside): what a step that drafts nothing costs over a plain one in the engine's loop.
 
-    python benchmarks/profile_host.py [--model M] [--draft HEAD] [--num-prompts 16] [--max-tokens 256]
+    python benchmarks/profile_host.py [--model M] [--draft HEAD] [--num-prompts 16] [--max-tokens 256] [--batch 1]
                                       [--cprofile N]   (also: cProfile's N costliest functions of one more run)
                                       [--forced-acceptance AL] [--events] [--zero-drafts]
 """
@@ -74,12 +75,12 @@ class _TimedTensor:
 
 
 def run(model, draft, prompts, max_tokens: int, repeats: int, cprofile: int = 0, forced: float | None = None,
-        events: bool = False, async_output: bool | None = None, zero_drafts: bool = False) -> dict:
+        events: bool = False, async_output: bool | None = None, zero_drafts: bool = False, batch: int = 1) -> dict:
     spec = dict(method="eagle3", draft_model=draft, max_draft_len=4, forced_acceptance=forced) if draft else None
     if zero_drafts:
         spec["adaptive_draft_len"] = True
     # a set KV cache, so an engine still held by a reference cycle leaves the next one its memory
-    llm = LLM(model, speculative_config=spec, max_num_seqs=1, async_output=async_output,
+    llm = LLM(model, speculative_config=spec, max_num_seqs=batch, async_output=async_output,
               kv_cache_memory_bytes=2_000_000_000)
     eng = llm.engine
     if zero_drafts:  # costs under which drafting never pays: the adaptive policy holds D = 0 (its probes aside)
@@ -203,6 +204,8 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="EAGLE-3 head folder (default: the shipped head)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="rows a step (max_num_seqs); the prompts are repeated to at least this many")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cprofile", type=int, default=0, help="print cProfile's N costliest functions")
@@ -224,14 +227,15 @@ def main() -> None:
     from specserve.heads import default_speculative_config
 
     draft = a.draft or default_speculative_config("eagle3", 4)["draft_model"]
-    prompts = DEFAULT_PROMPTS[:a.num_prompts]
+    n = max(a.num_prompts, a.batch)
+    prompts = (DEFAULT_PROMPTS * (n // len(DEFAULT_PROMPTS) + 1))[:n]
     out = {}
     engines = [("off", None, False), ("on", draft, False)] + ([("zero", draft, True)] if a.zero_drafts else [])
     for name, d, zero in engines:
         if a.only and name != a.only:
             continue
         out[name] = run(a.model, d, prompts, a.max_tokens, a.repeats, a.cprofile, a.forced_acceptance, a.events,
-                        False if a.disable_async_output_proc else None, zero)
+                        False if a.disable_async_output_proc else None, zero, a.batch)
     keys = ["wall", "gpu", "gpu_median", "step", "schedule", "layout", "stage", "reserve", "upload", "launch", "wait",
             "choose", "results", "update", "detokenize", "outputs", "step_other", "generate_other"]
     print(f"{'us per step':<16}" + "".join(f"{k:>10}" for k in out))

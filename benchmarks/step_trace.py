@@ -38,9 +38,9 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
         cur["layouts"].append(key[0])
         return run(key, fn, rerun)
 
-    def traced_launch(sub, layout):
+    def traced_launch(sub, layout, spec):
         cur["eager"] += layout is None
-        return launch(sub, layout)
+        return launch(sub, layout, spec)
 
     trace: list[dict] = []
     spec = runner.speculator

@@ -112,16 +112,16 @@ def test_a_record_rewritten_in_place_equals_one_staged_whole(dirs, spec, monkeyp
     real_stage = runner.stage_graph
     rewritten = []
 
-    def stage(batch, layout):
+    def stage(batch, layout, step_spec=None):
         for i, s in enumerate(batch.scheduled):  # the thinking flag as a relaxed phase would move it
             s.request.thinking = (runner.graphs.steps + i) % 3 == 0
-        rec, switches = real_stage(batch, layout)
+        rec, switches = real_stage(batch, layout, step_spec)
         last = runner._last_record
         rewritten.append(last.restaged is not None and last.record is rec)
         scratch = Staging(torch.int64, torch.device("cpu"))
         ints, tables = row_fields(batch.scheduled, layout.rows, layout.q, runner.block_size, runner.table_lookahead)
         floats: dict = {}
-        assert runner._record_params(batch.scheduled, layout.rows, ints, floats) == switches
+        assert runner._record_params(batch.scheduled, layout.rows, ints, floats, step_spec) == switches
         whole = stage_record(scratch, batch.scheduled, layout.rows, layout.q, layout.table_width, ints, tables, floats)
         assert (whole.fields, whole.float_fields, whole.size) == (rec.fields, rec.float_fields, rec.size)
         assert torch.equal(scratch.host[:whole.size], runner._ints.host[:rec.size])
@@ -349,10 +349,10 @@ def test_requests_joining_running_ones_run_as_split_graph_steps(dirs, spec):
                 state["split"] = decisions[-1][2] is not None
                 return decisions[-1][2]
 
-            def spy_launch(batch, layout):
+            def spy_launch(batch, layout, spec):
                 if state["split"]:  # a part of a split step
                     split_layouts.append(layout)
-                return launch(batch, layout)
+                return launch(batch, layout, spec)
             runner.launch, runner._split, runner._launch = spy_step, spy_split, spy_launch
         outs[padded] = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert llm.engine.pool.num_free == llm.engine.pool.num_usable

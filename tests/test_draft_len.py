@@ -91,13 +91,56 @@ def test_greedy_output_is_plain_while_the_draft_length_changes(dirs, reference, 
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     stats = llm.engine.spec_stats
     assert set(chosen) == {0, 1, 2, 3}
-    # a generation graph verifies as many drafts as it drafts: one graph per D (D + 1 of them, not (D + 1)^2)
+    # a generation graph verifies as many drafts as it drafts: one graph per D (D + 1 of them, not (D + 1)^2); steps
+    # that verify and draft nothing run as plain steps (switches.draft_len -1)
     gen = {(layout.rows, layout.q - 1, switches.draft_len) for layout, switches, _ in keys if not layout.prefill}
-    assert all(v == d for _, v, d in gen) and len({d for _, _, d in gen}) > 1 if overlap else not keys
+    assert all(v == max(d, 0) for _, v, d in gen) and len({d for _, _, d in gen}) > 1 if overlap else not keys
     assert sum(stats.steps_by_draft_len) == sum(n for _, n in stats.draft_len_history) > 0
     if spec == "eagle3-oracle":
         # right twice (but where the reply ends within two drafts): the third is never accepted
         assert stats.per_position[0] == 1.0 and stats.per_position[1] > 0.9 and stats.per_position[2] == 0.0
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_steps_that_verify_and_draft_nothing_run_as_plain_steps(dirs, reference, overlap):
+    """Runs of D = 0 between drafting steps: a step that proposes none and verifies none (nor continues a row whose
+    step verifies some) runs as a plain step (no speculator: the plain graph, switches.draft_len -1), and the steps
+    after it, plain or drafting, read its tokens; greedy output stays that of plain decoding."""
+    prompts, ref, refs = reference
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"))
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, overlap_scheduler=overlap)
+    runner = llm.engine.runner
+    keys, kinds = [], []
+    if overlap:
+        from specserve.runner.cuda_graph import CudaGraphs
+
+        runner.graphs = graphs = CudaGraphs(16, runner._staging_buffers(), capture=False)
+        run = graphs.run
+        graphs.run = lambda key, *a, **k: keys.append(key) or run(key, *a, **k)
+    head = OracleHead(refs, llm.engine.model_config.vocab_size, 2).bind(llm.engine.model)
+    runner.speculator.drafter.head = head
+    pattern = [0, 0, 0, 0, 0, 3, 3, 0, 0, 0, 2, 0, 0, 0, 0, 1]
+    steps = []
+    runner.speculator.policy.choose = lambda *a, **k: pattern[len(steps) % len(pattern)]
+    launch = runner.launch
+
+    def counting(batch, draft_len=None):
+        steps.append(batch)
+        out = launch(batch, draft_len)
+        kinds.append((out.spec is None, any(s.after is not None for s in batch.scheduled)))
+        return out
+
+    runner.launch = counting
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert any(plain for plain, _ in kinds) and not all(plain for plain, _ in kinds)
+    # under the overlap scheduler plain steps continue rows of the step in flight (plain and drafting alike)
+    assert any(plain and after for plain, after in kinds) == overlap
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted > 0 and stats.steps_by_draft_len[0] > stats.steps_by_draft_len[3]
+    if overlap:
+        gen = {(layout.q - 1, switches.draft_len) for layout, switches, _ in keys if not layout.prefill}
+        assert {(0, -1), (3, 3), (2, 2), (1, 1)} <= gen, gen
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
 
 

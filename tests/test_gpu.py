@@ -104,6 +104,34 @@ def test_cuda_overlap_scheduler_equals_synchronous_steps(tmp_path_factory, metho
     assert outs[True] == outs[False]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_cuda_steps_drafting_nothing_run_as_plain_graphs_losslessly(tmp_path_factory, overlap):
+    """Runs of D = 0 between drafting steps in captured graphs: a step that verifies and drafts nothing replays the
+    plain graph (under the overlap scheduler its tokens go to the carry as a speculator's rows that accepted
+    nothing, and the next step, plain or drafting, reads them through the correction kernel), and greedy output
+    stays that of no speculation (float32)."""
+    from tiny_models import make_head
+
+    d = tmp_path_factory.mktemp(f"plain_steps_gpu_{overlap}")
+    make_hf_model(d / "t", "llama", initializer_range=0.4, num_hidden_layers=4)
+    make_head(d / "h", d / "t", "eagle3", draft_vocab=150)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 26, max_num_seqs=4,
+                  overlap_scheduler=overlap)
+    plain = [o.token_ids for o in LLM(str(d / "t"), **common).generate(PROMPTS * 2, sp)]
+    spec = dict(method="eagle3", draft_model=str(d / "h"), max_draft_len=3, draft_len_schedule={64: 3})
+    llm = LLM(str(d / "t"), speculative_config=spec, **common)
+    pattern, steps = [0, 0, 0, 0, 3, 3, 0, 0, 0, 1, 2], []
+    llm.engine.draft_policy.choose = lambda *a, **k: steps.append(1) or pattern[len(steps) % len(pattern)]
+    keys = []
+    run = llm.engine.runner.graphs.run
+    llm.engine.runner.graphs.run = lambda key, *a, **k: keys.append(key) or run(key, *a, **k)
+    assert [o.token_ids for o in llm.generate(PROMPTS * 2, sp)] == plain
+    kinds = {key.kind[1] for key in keys if not key.layout.prefill}
+    assert {-1, 3} <= kinds, kinds
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
 def test_cuda_draft_trees_are_lossless_with_graphs_and_overlap(tmp_path_factory):
     """Draft trees on CUDA (captured graphs, the tree mask in the Triton attention kernel, the overlap scheduler),
     with steps above ``tree_max_batch_size`` drafting chains, or each step's kind chosen by measured cost, give

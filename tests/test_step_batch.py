@@ -43,7 +43,7 @@ def test_packed_arrays_equal_the_expanded_record_token_by_token(dirs, draft_len)
     def check(batch):
         sched = batch.scheduled
         b, q = len(sched), max(s.num_tokens for s in sched)
-        packed = runner.prepare(batch)
+        packed = runner.prepare(batch, runner.speculator)
         flat = packed.meta.flat_index  # [T] row * q + column
         row, col = flat // q, flat % q
         ints, tables = row_fields(sched, b, q, runner.block_size, runner.table_lookahead)

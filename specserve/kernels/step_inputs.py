@@ -62,7 +62,8 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
     the step in flight (``src`` >= 0, ``runner/overlap.py``) corrected in place from that step's result rows
     ``carry`` [columns + 1, C] (``StepCarry.buf``). ``f``: the record's device views (start, count, offsets, src
     [B]; speculating num_drafts, prev_nd, room, cap [B], flags [4 * B]; a tree's parents [B * N]); tokens [B, q],
-    q = 1 + N (N: ``num_nodes``, a tree's; a chain's D). Plain: the token is the sampled one. Speculating: a =
+    q = 1 + N (N: ``num_nodes``, a tree's; a chain's D). Plain: the token is the sampled one (``carry`` may be a
+    view of a wider buffer's columns: rows are read by its stride). Speculating: a =
     accepted of prev_nd, delta = prev_nd - a; start and offsets move back by delta; the drafts kept are those of
     depth <= clamp(room + delta, 0, D) (a chain's first that many; a tree's a prefix, sorted by depth), at most
     cap; tokens = the bonus (the a-th emitted token), then the drafts (a tree's parents from the carry too); the
@@ -126,7 +127,7 @@ def correct_record(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: torc
             src, tokens, carry, f["start"] if spec else none, f["count"] if spec else none,
             f["num_drafts"] if spec else none, f["offsets"] if spec else none, f["prev_nd"] if spec else none,
             f["room"] if spec else none, f["cap"] if spec else none, f["flags"] if spec else none,
-            f["parents"] if tree else none, b, q, carry.shape[1], SPEC=spec, TREE=tree, D=d, N=n,
+            f["parents"] if tree else none, b, q, carry.stride(0), SPEC=spec, TREE=tree, D=d, N=n,
             N_BLOCK=triton.next_power_of_2(n + 1), D_BLOCK=triton.next_power_of_2(d + 1), BEGIN=begin, END=end,
             THINK=spec and (begin >= 0 or end >= 0))
     except Exception as e:  # not built here (first launch; never inside a capture): the reference ops

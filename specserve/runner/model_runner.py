@@ -44,6 +44,7 @@ class Launched:
     out: torch.Tensor | None  # its device output, copied back by ``collect``
     results: list[RowResult] | None = None  # already collected (a step run as several graph replays)
     carry: CarryCopy | None = None  # overlap scheduler: its result rows on their way to the host
+    spec: Speculator | None = None  # the speculator it ran (None: a plain step, whose output is the sampled tokens)
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ class GraphKey(NamedTuple):
     @property
     def kind(self) -> tuple[GraphLayout, int]:
         """What a choice of draft length asks of the graphs (``CudaGraphs.has``): the layout and the drafts the
-        step proposes a row (its other switches follow the requests, not the choice)."""
+        step proposes a row (-1: a plain step, which a speculative engine's steps that verify and draft nothing
+        are; its other switches follow the requests, not the choice)."""
         return self.layout, self.switches.draft_len
 
 
@@ -81,6 +83,7 @@ class _LastRecord:
     record: Record
     switches: StepSwitches
     ints: dict[str, list]  # its integer fields
+    spec: Speculator | None  # the speculator its step ran (None: a plain step; a record of one is no other's)
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
 
 
@@ -216,7 +219,8 @@ class ModelRunner:
             k = layout()
             if k is None:
                 return False
-            return self.graphs.has((k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s))
+            # the steps after a choice of 0 verify and draft nothing: plain steps (``Speculator.drafts_nothing``)
+            return self.graphs.has((k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s or -1))
         return GraphCheck(has, layout)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
@@ -274,77 +278,83 @@ class ModelRunner:
         return [self._ints, self._floats]
 
     # -- packed (eager) steps: the inputs built on the host ------------------------------------------------------
-    def prepare(self, batch: SchedulerOutput) -> StepBatch:
-        """Device inputs of a packed step (``runner/packed.py``)."""
-        return self.packed.prepare(batch, self.speculator)
+    def prepare(self, batch: SchedulerOutput, spec: Speculator | None = None) -> StepBatch:
+        """Device inputs of a packed step (``runner/packed.py``); ``spec``: the speculator the step runs (None: a
+        plain step)."""
+        return self.packed.prepare(batch, spec)
 
     # -- graph steps: a compact record, expanded on the device ---------------------------------------------------
-    def stage_graph(self, batch: SchedulerOutput, layout: GraphLayout) -> tuple[Record, StepSwitches]:
-        """Stage a graph step's compact record (``specserve.runner.graph_inputs``) -> (record, the host
-        switches that pick the graph's variant). The record's upload is captured in the graph as a copy node, so
-        a replay needs no copy call from the host (tens of µs a step on a slow host)."""
+    def stage_graph(self, batch: SchedulerOutput, layout: GraphLayout,
+                    spec: Speculator | None = None) -> tuple[Record, StepSwitches]:
+        """Stage a graph step's compact record (``specserve.runner.graph_inputs``; ``spec``: the speculator the
+        step runs, None for a plain step) -> (record, the host switches that pick the graph's variant). The
+        record's upload is captured in the graph as a copy node, so a replay needs no copy call from the host (tens
+        of µs a step on a slow host)."""
         sched = batch.scheduled
         b, q, m = layout.rows, layout.q, layout.table_width
         ints, tables = row_fields(sched, b, q, self.block_size, self.table_lookahead)
         reqs = [s.request for s in sched]
         if self.overlap:  # the host buffers are used in turn: each record is staged whole
             floats: dict[str, list[float]] = {}
-            switches = self._record_params(sched, b, ints, floats)
+            switches = self._record_params(sched, b, ints, floats, spec)
             ints["offsets"] = output_offsets(sched, b)
-            spec = self.speculator
             ints.update(overlap_fields(sched, b, spec.draft_len if spec is not None else 0, self.carry.scratch,
                                        spec.num_nodes if spec is not None else 0))
             return stage_record(self._ints, sched, b, q, m, ints, tables, floats), switches
         last = self._last_record
         # the same requests in the same layout as the step before, nothing else staged since: their parameters are
         # in the buffer already, and only the fields that change per step are rewritten
-        if (last is not None and last.layout == layout and last.version == self._ints.version
+        if (last is not None and last.layout == layout and last.version == self._ints.version and last.spec is spec
                 and len(last.requests) == len(reqs) and all(map(operator.is_, last.requests, reqs))):
-            ints.update(self._restaged_params(sched, b, last.ints))
+            ints.update(self._restaged_params(sched, b, last.ints, spec))
             last.restaged = restage_record(self._ints, last.record, ints, tables, last.restaged)
-            spec = self.speculator  # the step's drafting may differ from the last one's
+            # the step's drafting may differ from the last one's
             return last.record, last.switches if spec is None else spec.step_switches(last.switches)
         floats: dict[str, list[float]] = {}
-        switches = self._record_params(sched, b, ints, floats)
+        switches = self._record_params(sched, b, ints, floats, spec)
         rec = stage_record(self._ints, sched, b, q, m, ints, tables, floats)
-        self._last_record = _LastRecord(layout, reqs, self._ints.version, rec, switches, ints)
+        self._last_record = _LastRecord(layout, reqs, self._ints.version, rec, switches, ints, spec)
         return rec, switches
 
-    def _record_params(self, sched, rows: int, ints: dict, floats: dict) -> StepSwitches:
-        """Per-row parameters of a graph step, added to ``ints`` / ``floats`` -> the host switches."""
+    def _record_params(self, sched, rows: int, ints: dict, floats: dict, spec: Speculator | None) -> StepSwitches:
+        """Per-row parameters of a graph step (with ``spec``'s acceptance settings), added to ``ints`` / ``floats``
+        -> the host switches."""
         reqs = [s.request for s in sched]
         si, sf = sampling_columns(reqs, rows, self.vocab_size)
         ints.update(si)
         floats.update(sf)
         switches = StepSwitches.of(reqs)
-        if self.speculator is not None:
-            switches = self.speculator.record_params(sched, rows, ints, floats, switches)
+        if spec is not None:
+            switches = spec.record_params(sched, rows, ints, floats, switches)
         return switches
 
-    def _restaged_params(self, sched, rows: int, first: dict[str, list]) -> dict[str, list[int]]:
+    def _restaged_params(self, sched, rows: int, first: dict[str, list],
+                         spec: Speculator | None) -> dict[str, list[int]]:
         """The per-row parameters of a graph step's record that change between steps of the same requests
         (``first``: the integer fields as the first of those steps staged them): each row's output index, which
         seeds its sampling, and speculating, whether it is in its thinking phase."""
         out = {"offsets": [s.request.num_output_tokens for s in sched] + [0] * (rows - len(sched))}
-        if self.speculator is not None:
-            out.update(self.speculator.restaged(sched, rows, first))
+        if spec is not None:
+            out.update(spec.restaged(sched, rows, first))
         return out
 
     @staticmethod
     def graph_key(layout: GraphLayout, switches: StepSwitches, rec: Record) -> GraphKey:
         return GraphKey(layout, switches, rec.size)
 
-    def graph_batch(self, rec: Record, switches: StepSwitches, layout: GraphLayout,
-                    host_rows: list | None = None) -> StepBatch:
+    def graph_batch(self, rec: Record, switches: StepSwitches, layout: GraphLayout, host_rows: list | None = None,
+                    spec: Speculator | None = None) -> StepBatch:
         """Inside a graph step: the record's upload, its device views, what the device derives from them
-        (``expand_record``) -> the step's inputs (``host_rows``: the scheduled rows, for test heads)."""
+        (``expand_record``) -> the step's inputs (``host_rows``: the scheduled rows, for test heads; ``spec``: the
+        speculator the step runs, None for a plain step)."""
         if not self.overlap:
             self._ints.upload(rec.size)  # captured with the step
         f = record_views(self._ints, rec)
         b, q = rec.rows, rec.q
-        spec = self.speculator
         if self.overlap and not layout.prefill:  # rows that continue the step in flight, from its results
-            correct_record(f, f["tokens"].view(b, q), self.carry.buf, spec.draft_len if spec is not None else 0,
+            # a plain step of a speculative engine reads the token after the carry rows' accepted count (none)
+            carry = self.carry.buf if spec is not None or self.speculator is None else self.carry.buf[:, 1:]
+            correct_record(f, f["tokens"].view(b, q), carry, spec.draft_len if spec is not None else 0,
                            spec.thinking_tokens if spec is not None else (-1, -1),
                            spec.num_nodes if spec is not None and spec.tree else None)
         tables = f["tables"].view(b, rec.table_width)
@@ -374,20 +384,24 @@ class ModelRunner:
         the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites).
         ``draft_len``: the drafts the step proposes, instead of the speculator's choice (step-cost measurements)."""
-        if self.speculator is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
-            most = self.speculator.plan_step(batch.scheduled, draft_len, self._graph_check(batch))
+        spec = self.speculator
+        if spec is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
+            most = spec.plan_step(batch.scheduled, draft_len, self._graph_check(batch))
             for s in batch.scheduled:
                 s.next_drafts = most
+            if spec.drafts_nothing(batch.scheduled):  # a plain step: the plain sampler, record and graph
+                spec = None
         if self.overlap:
-            return self._launch_overlap(batch)
+            return self._launch_overlap(batch, spec)
         layout = self.graph_layout(batch)
         groups = self._split(batch) if layout is None else None
         if groups is None:
-            return Launched(batch, self._launch(batch, layout))
+            return Launched(batch, self._launch(batch, layout, spec), spec=spec)
         results: list[RowResult | None] = [None] * len(batch.scheduled)
         for rows in groups:  # rows are independent: each group's results equal the packed step's
             sub = SchedulerOutput([batch.scheduled[i] for i in rows])
-            for i, res in zip(rows, self.collect(Launched(sub, self._launch(sub, self.graph_layout(sub))))):
+            launched = Launched(sub, self._launch(sub, self.graph_layout(sub), spec), spec=spec)
+            for i, res in zip(rows, self.collect(launched)):
                 results[i] = res
         return Launched(batch, None, results)
 
@@ -405,8 +419,8 @@ class ModelRunner:
         out, lps = step.out if isinstance(step.out, tuple) else (step.out, None)
         values = self._copy_back(out) if out is not None else []
         lps = None if lps is None else lps.tolist()  # after the copy above: no wait of its own
-        if self.speculator is not None:
-            return self.speculator.results(sched, zip(*values), lps)
+        if step.spec is not None:
+            return step.spec.results(sched, zip(*values), lps)
         tokens, rows = iter(values), iter(lps or [])
         return [RowResult([next(tokens)], logprobs=None if lps is None else [next(rows)]) if s.sample else
                 RowResult([]) for s in sched]
@@ -436,7 +450,7 @@ class ModelRunner:
         groups = [(gen, self.graph_layout(SchedulerOutput([batch.scheduled[i] for i in gen])))] if gen else []
         return groups + (self._prefill_groups(batch, pre) or [(pre, None)])
 
-    def _launch_overlap(self, batch: SchedulerOutput) -> Launched:
+    def _launch_overlap(self, batch: SchedulerOutput, spec: Speculator | None) -> Launched:
         """Queue a step whose rows may continue the step in flight (``overlap_groups``); every group writes its
         result rows into the carry, which one copy brings back (``collect``)."""
         groups = self.overlap_groups(batch)
@@ -444,22 +458,23 @@ class ModelRunner:
             raise RuntimeError("a step continuing the step in flight needs a graph layout (collect that step first)")
         for rows, layout in groups:
             sub = batch if len(rows) == len(batch.scheduled) else SchedulerOutput([batch.scheduled[i] for i in rows])
-            self._launch(sub, layout)
+            self._launch(sub, layout, spec)
         asked = any(s.request.params.logprobs is not None for s in batch.scheduled)
-        return Launched(batch, None, carry=self.carry.copy_back(len(batch.scheduled), logprobs=asked))
+        return Launched(batch, None, carry=self.carry.copy_back(len(batch.scheduled), logprobs=asked), spec=spec)
 
     @torch.inference_mode()
-    def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None) -> torch.Tensor | None:
-        """One step in one layout, a graph's or packed (``layout`` None), queued -> its device output
-        (``step``)."""
+    def _launch(self, batch: SchedulerOutput, layout: GraphLayout | None,
+                spec: Speculator | None) -> torch.Tensor | None:
+        """One step in one layout, a graph's or packed (``layout`` None), with ``spec`` (the speculator, or None for
+        a plain step), queued -> its device output (``step``)."""
         if layout is None:
-            return self.step(self.prepare(batch))
+            return self.step(self.prepare(batch, spec))
         # a replay reads the staged record in place: the step's inputs are built only to capture
-        rec, switches = self.stage_graph(batch, layout)
+        rec, switches = self.stage_graph(batch, layout, spec)
         if self.overlap:  # from the ring's host buffer: not a node of the graph
             self._ints.upload(rec.size)
         return self.graphs.run(self.graph_key(layout, switches, rec),
-                               lambda: self.step(self.graph_batch(rec, switches, layout, batch.scheduled)),
+                               lambda: self.step(self.graph_batch(rec, switches, layout, batch.scheduled, spec)),
                                rerun=not self.overlap)
 
     def step(self, batch: StepBatch) -> torch.Tensor | None:
@@ -467,7 +482,7 @@ class ModelRunner:
         tokens [S] (None when no row samples), or the speculator's result rows."""
         batch.meta.new_step()
         hidden, aux = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_views,
-                                 aux_layers=self.aux_layers)
+                                 aux_layers=self.aux_layers if batch.spec is not None else ())
         if batch.spec is not None:
             out = self.speculator.step(self.model, batch, hidden, aux)
         elif batch.sampling is None:

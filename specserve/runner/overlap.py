@@ -50,11 +50,17 @@ class StepCarry:
 
     def publish(self, out, dst: torch.Tensor) -> None:
         """Inside a step: its result (speculator rows [C, B], or sampled tokens [B]; with log-probabilities, a pair
-        whose second is [B, F]) into the rows ``dst`` [B]."""
+        whose second is [B, F] or, a plain step's, [B, F'] with F' <= F) into the rows ``dst`` [B]. A speculative
+        engine's plain step (one that verified and drafted nothing) writes its tokens as a speculator's rows that
+        accepted nothing: 0, then the token (the emitted tokens after it and the drafts are never read)."""
         if isinstance(out, tuple):
             out, lps = out
-            self.fbuf.index_copy_(0, dst, lps)
-        self.buf.index_copy_(0, dst, out.t() if out.dim() == 2 else out[:, None])
+            self.fbuf[:, :lps.shape[1]].index_copy_(0, dst, lps)
+        if out.dim() == 1:
+            out = out[:, None] if self.width == 1 else torch.nn.functional.pad(out[:, None], (1, 0))  # [B, 1 or 2]
+        else:
+            out = out.t()
+        self.buf[:, :out.shape[1]].index_copy_(0, dst, out)
 
     def copy_back(self, n: int, logprobs: bool = False) -> CarryCopy:
         """Queue the copy of columns [0, n) to the host (their log-probabilities too, where ``logprobs``), after

@@ -74,7 +74,7 @@ class StepSwitches:
         return cls(all_greedy, needs_filter, logprobs=logprobs)
 
 
-@dataclass
+@dataclass(slots=True)
 class RowResult:
     """What one scheduled request got from a step."""
 

@@ -29,7 +29,9 @@ stops drafting for good.
 
 Outputs never depend on D: a step verifies whatever the step before drafted (0 included) and the target decides
 every token. A step that drafts 0 runs no draft head at all, so the head's KV misses that step's positions; its
-later drafts read stale keys there, which can lower acceptance, never change a token.
+later drafts read stale keys there, which can lower acceptance, never change a token. One that verifies nothing
+either is a plain step (``Speculator.drafts_nothing``): held at D = 0, an engine's steps cost what no speculation's
+do.
 """
 
 from __future__ import annotations

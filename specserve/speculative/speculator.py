@@ -144,6 +144,11 @@ class SpeculatorBase:
         # sets the costs and the prior): ``DraftLenPolicy`` or the tree's ``TreeChoice``
         self.policy = policy if policy is not None else DraftLenPolicy.from_config(spec)
 
+    def drafts_nothing(self, sched) -> bool:
+        """Whether the step just planned (``plan_step``) is a plain one: it proposes no drafts and verifies none
+        (a tree step always drafts)."""
+        return False
+
     @staticmethod
     def generation_step(sched) -> bool:
         """Whether every row of a step verifies and samples (no prompt tokens): its period is a step's cost."""
@@ -213,6 +218,15 @@ class Speculator(SpeculatorBase):
         # ``next_drafts``); after a shorter one the rows verify their drafts in a wider layout.
         self.step_draft_len = max(draft_len, widest)
         return draft_len
+
+    def drafts_nothing(self, sched) -> bool:
+        """Whether the step just planned (``plan_step``) proposes no drafts and verifies none, nor continues a row of
+        the step in flight that verifies some (whose acceptance, unknown here, would move the row back). Such a
+        step is a plain one, and runs as a plain engine's would (its record, graph and sampler; no acceptance
+        settings staged, no acceptance kernel, one row of results): where the head accepts badly the draft
+        length stays at 0, and speculation then costs next to nothing over no speculation."""
+        return self.step_draft_len == 0 and all(s.num_drafts == 0 and (s.after is None or s.after.num_drafts == 0)
+                                                for s in sched)
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
         """The steps whose costs the engine measures at start (``draft_len.load_or_measure_costs``): with
