@@ -192,8 +192,9 @@ def test_observed_periods_correct_costs_measured_without_the_hosts_work(monkeypa
 
 def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatch):
     """Under the overlap scheduler the period from one launch to the next mostly waits for the step before, so a
-    period counts only where the last two steps were generation steps of the same rows and D; a prompt step's or
-    a changed D's period is not recorded."""
+    period counts only where the last two steps were generation steps of the same rows and D and the step after
+    them is a generation step of those rows too; a prompt step's, a changed D's, or the period before rows end or
+    join is not recorded."""
     costs = StepCosts([4], [[1.0, 1.5]])
     p = DraftLenPolicy(1, adaptive=True, costs=costs, prior=lambda: SpecStats(
         drafted_per_pos=[100], accepted_per_pos=[90]))
@@ -211,11 +212,18 @@ def test_a_period_is_recorded_only_between_two_alike_generation_steps(monkeypatc
     assert p.choose(rows, True) == 1  # the period after two alike generation steps: recorded
     assert p.live.seconds == [[1.0, 1.6875]]  # 2.5 clipped to 1.5x 1.5, a quarter of the way
     clock[0] += 2.5
-    assert p.choose(rows[:3], True) == 1
-    assert p.live.seconds == [[1.0, 1.890625]]
+    assert p.choose(rows[:3], True) == 1  # a request ended: the period before it holds that work, not recorded
+    assert p.live.seconds == [[1.0, 1.6875]]
     clock[0] += 2.5
-    p.choose(rows, True)  # the step before had 3 rows, the one before it 4: not recorded
-    assert p.live.seconds == [[1.0, 1.890625]]
+    p.choose(rows[:3], True)  # the step before had 3 rows, the one before it 4: not recorded
+    assert p.live.seconds == [[1.0, 1.6875]]
+    clock[0] += 2.5
+    p.choose(rows[:3], False)  # a prompt joins: not recorded either
+    assert p.live.seconds == [[1.0, 1.6875]]
+    for _ in range(3):
+        clock[0] += 2.5
+        p.choose(rows[:3], True)
+    assert p.live.seconds == [[1.0, 1.890625]]  # three alike generation steps of 3 rows: one period recorded
 
 
 def test_a_period_counts_to_the_width_the_step_ran_at(monkeypatch):

@@ -412,10 +412,11 @@ class ModelRunner:
         sched = step.batch.scheduled
         if step.carry is not None:  # result rows by column
             rows, lps = StepCarry.read(step.carry)
-            if self.speculator is not None:
-                return self.speculator.results(sched, rows, lps)
-            return [RowResult([rows[i][0]], logprobs=None if lps is None else [lps[i]]) if s.sample else RowResult([])
-                    for i, s in enumerate(sched)]
+            if step.spec is not None:
+                return step.spec.results(sched, rows, lps)
+            col = 0 if self.speculator is None else 1  # a speculative engine's rows: the accepted count (0) first
+            return [RowResult([rows[i][col]], logprobs=None if lps is None else [lps[i][:LOGPROB_WIDTH]])
+                    if s.sample else RowResult([]) for i, s in enumerate(sched)]
         out, lps = step.out if isinstance(step.out, tuple) else (step.out, None)
         values = self._copy_back(out) if out is not None else []
         lps = None if lps is None else lps.tolist()  # after the copy above: no wait of its own

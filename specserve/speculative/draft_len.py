@@ -237,7 +237,8 @@ class _Launch:
 
 class StepPeriods:
     """Observed step periods (from one choice to the next) as the cost of the last step's (rows, option) where
-    that is unambiguous: the last two steps were generation steps of the same rows and option, the option being
+    that is unambiguous: the last two steps and this one are generation steps of the same rows, the last two of
+    the same option, the option being
     the step's column of the costs as it ran (a chain's step that proposes D while verifying wider drafts runs as
     wide as them). (Under the overlap scheduler the period from one launch to the next mostly waits for the step
     before to finish, so a period is the cost of a step where both agree; a step that changes option, a probe
@@ -247,10 +248,15 @@ class StepPeriods:
         self._launched: deque[_Launch] = deque(maxlen=2)  # the last two steps chosen for
 
     def launch(self, live: StepCosts | None, rows: int, option: int, generation: bool, now: float) -> None:
-        """A step chosen at ``now``: first the period since the last choice moves ``live`` (None: not timed)."""
+        """A step chosen at ``now``: first the period since the last choice moves ``live`` (None: not timed). The
+        period is the last step's cost only where this step, too, is a generation step of its rows: before a step
+        whose rows changed the host finished requests or admitted prompts (a whole reply detokenized, a prompt
+        staged), which a step that ends a request would otherwise be charged; where the policy picks a D for a
+        request's last steps alone (its graph exists only at the longest table widths, say), that D's estimate
+        would climb on those periods and the D never be taken elsewhere."""
         if live is not None and len(self._launched) == 2:
             a, b = self._launched
-            if a.generation and b.generation and (a.rows, a.option) == (b.rows, b.option):
+            if generation and a.generation and b.generation and a.rows == b.rows == rows and a.option == b.option:
                 live.observe(b.rows, b.option, now - b.time)
         self._launched.append(_Launch(rows, option, generation, now))
 
