@@ -188,8 +188,8 @@ class ModelRunner:
         return GraphLayout(rows, q, self._table_width(batch.scheduled), prefill, from_zero)
 
     def _table_width(self, sched) -> int:
-        la = self.table_lookahead
-        need = max(cdiv(s.start + s.num_tokens + la, self.block_size) for s in sched)
+        # the longest row's blocks (one division: the host runs this for every step's rows)
+        need = cdiv(max(s.start + s.num_tokens for s in sched) + self.table_lookahead, self.block_size)
         width = min(self.graph_table_width, 1 << max(need, cdiv(256, self.block_size)).bit_length() - 1)
         if width < need:
             width = min(self.graph_table_width, width * 2)
@@ -215,12 +215,15 @@ class ModelRunner:
                     shared.append(self._prefill_layout(batch))
             return shared[0]
 
+        answers: dict[int, bool] = {}  # by s: a choice asks about each s more than once
+
         def has(s: int) -> bool:
-            k = layout()
-            if k is None:
-                return False
-            # the steps after a choice of 0 verify and draft nothing: plain steps (``Speculator.drafts_nothing``)
-            return self.graphs.has((k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s or -1))
+            if s not in answers:
+                k = layout()
+                # the steps after a choice of 0 verify and draft nothing: plain steps (``Speculator.drafts_nothing``)
+                answers[s] = k is not None and self.graphs.has(
+                    (k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s or -1))
+            return answers[s]
         return GraphCheck(has, layout)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
