@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
-from specserve.speculative.draft_len import StepCosts  # noqa: E402
+from specserve.speculative.draft_len import StepCosts, measure_step_costs  # noqa: E402
 
 
 def measure(model: str, max_rows: int) -> None:
@@ -36,7 +36,7 @@ def measure(model: str, max_rows: int) -> None:
 
 
 def replay(batch: int, costs_ms: list[float], runs: int, tokens: int, timed: bool = False,
-           max_rows: int | None = None, model: str | None = None) -> None:
+           max_rows: int | None = None, model: str | None = None, switch_ms: float = 0.0) -> None:
     from specserve.bench.engine_run import EngineRun
     from specserve.bench.run import BenchConfig
     from specserve.runner.cuda_graph import CudaGraphs
@@ -58,6 +58,9 @@ def replay(batch: int, costs_ms: list[float], runs: int, tokens: int, timed: boo
     e = EngineRun(cfg, prompts, True, tree="adaptive")
     eng = e.eng
     eng.runner.graphs = CudaGraphs(max_rows or batch, eng.runner._staging_buffers(), capture=False)
+    # the GPU engine's start-up measurement captures each D's graph at its context (256 tokens): those layouts run
+    # here too, so that the same ones count as captured; then the given costs replace what it measured
+    measure_step_costs(eng.runner, eng.pool, eng.runner.speculator.cost_options(True), [batch])
     eng.draft_policy.costs = StepCosts([batch], [[t * 1e-3 for t in costs_ms]])
     if timed:  # the policy observes step periods on a clock that each step advances by its GPU cost
         from specserve.speculative import draft_len
@@ -66,8 +69,11 @@ def replay(batch: int, costs_ms: list[float], runs: int, tokens: int, timed: boo
         step, spec = eng._step, eng.runner.speculator
 
         def timed_step():
+            before = {id(r) for r in eng.scheduler.running}
             out = step()
             clock[0] += costs_ms[min(spec.step_draft_len, len(costs_ms) - 1)] * 1e-3
+            if {id(r) for r in eng.scheduler.running} != before:  # the host's work as requests end and start
+                clock[0] += switch_ms * 1e-3
             return out
         eng._step = timed_step
     else:
@@ -90,6 +96,9 @@ def main() -> None:
     ap.add_argument("--timed", action="store_true",
                     help="the policy observes step periods (as the GPU engine does) on a clock that each step "
                          "advances by the given cost of its D")
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="with --timed: milliseconds more on the clock after a step whose rows changed (the host's "
+                         "work of ending a request and admitting the next)")
     ap.add_argument("--model", default=None, help="a random:NAME model with a random head instead of the tests' tiny "
                                                       "target and head")
     ap.add_argument("--measure", metavar="MODEL", default=None)
@@ -98,7 +107,7 @@ def main() -> None:
     if a.measure:
         measure(a.measure, a.max_rows or 32)
     else:
-        replay(a.batch, a.costs_ms, a.runs, a.max_tokens, a.timed, a.max_rows, a.model)
+        replay(a.batch, a.costs_ms, a.runs, a.max_tokens, a.timed, a.max_rows, a.model, a.switch_ms)
 
 
 if __name__ == "__main__":
