@@ -120,6 +120,24 @@ def _run_policy(policy: DraftLenPolicy, requests: list, period: list[float], ste
     return chosen
 
 
+def test_no_drafting_is_never_rented_against():
+    """D = 0's steps are plain steps, whose graph a plain engine captures wherever it runs: where D = 0 is the best
+    (a head that accepts nothing) it is taken at once, its graph captured or not; where another D is the best, D =
+    0 is rented only where its graph exists."""
+    costs = StepCosts([1], [[0.5e-3, 0.6e-3, 0.62e-3, 0.64e-3, 0.66e-3]])
+    p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[1000] * 4, accepted_per_pos=[0] * 4))
+    p.timed = False
+    assert p.choose([_Req([], [])], generation=True, captured=GraphCheck(lambda d: d == 4)) == 0
+    assert not p._owed
+    good = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: SpecStats(
+        drafted_per_pos=[1000] * 4, accepted_per_pos=[900, 800, 700, 600]))
+    good.timed = False
+    assert good.choose([_Req([], [])], generation=True, captured=GraphCheck(lambda d: False)) == 4  # none at all
+    assert good.choose([_Req([], [])], generation=True, captured=GraphCheck(lambda d: d == 1)) == 1  # rented
+    assert good.choose([_Req([], [])], generation=True, captured=GraphCheck(lambda d: d == 0)) == 0
+
+
 def test_a_draft_length_without_a_graph_is_rented_until_the_rent_would_have_paid_its_capture():
     """While another D has its graph for the step, the best D without one (a capture mid-run, ~0.1 s on the GPU
     machine) is not taken: the best D with a graph is, and what that loses against the best accrues until it reaches

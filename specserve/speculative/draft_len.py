@@ -21,7 +21,9 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   D's own, which the steps after a choice run, not that of the step that still verifies the last drafts, and the
   debt stands until that graph exists), so that a batch draining through its batch sizes does not capture graphs
   mid-run that its few steps at a size never repay, while a batch size that lasts gets its best D (a probe too
-  keeps to a D with a graph where one has);
+  keeps to a D with a graph where one has). Where D = 0 is the best it is taken at once, graph or not: its steps are
+  plain ones, whose graph a plain engine captures wherever it runs, so a head that does not pay falls back to plain
+  steps without renting a drafting D first;
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -355,7 +357,9 @@ class DraftLenPolicy:
             tokens = self._expected_tokens([r.spec_stats for r in requests])
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
-            if captured is not None:  # the losses count per graph layout where the step has one
+            # D = 0's steps verify and draft nothing: plain steps (``Speculator.drafts_nothing``), in the graphs a plain
+            # engine captures at every layout it meets, so D = 0 is never rented against
+            if captured is not None and best > 0:  # the losses count per graph layout where the step has one
                 layout = captured.layout()
                 key = (layout if layout is not None else len(requests), best)
                 best, lost = prefer_captured(tokens, seconds, d, best, captured.has, self._owed.get(key, 0.0))
