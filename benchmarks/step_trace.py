@@ -90,8 +90,8 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="the head folder (modes other than plain)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--modes", nargs="+", default=["plain", "4", "adaptive"],
-                    help="plain, a fixed draft length, adaptive (D in 0..--draft-len each step), or 0 (adaptive held at "
-                         "D = 0: steps that draft nothing)")
+                    help="plain, a fixed draft length, adaptive (D in 0..--draft-len each step), or 0 (adaptive held "
+                         "at D = 0: steps that draft nothing)")
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=2)

@@ -69,7 +69,7 @@ class GraphKey(NamedTuple):
     def kind(self) -> tuple[GraphLayout, int]:
         """What a choice of draft length asks of the graphs (``CudaGraphs.has``): the layout and the drafts the
         step proposes a row (-1: a plain step, which a speculative engine's steps that verify and draft nothing
-        are; its other switches follow the requests, not the choice)."""
+        are, or a tree's step; its other switches follow the requests, not the choice)."""
         return self.layout, self.switches.draft_len
 
 
@@ -220,7 +220,9 @@ class ModelRunner:
         def has(s: int) -> bool:
             if s not in answers:
                 k = layout()
-                # the steps after a choice of 0 verify and draft nothing: plain steps (``Speculator.drafts_nothing``)
+                # a choice of 0 commits the steps after it to plain steps (``Speculator.drafts_nothing``; under the
+                # overlap scheduler the first of them still continues rows that verify drafts, in the speculator's
+                # graph of D = 0, captured where a layout first needs it)
                 answers[s] = k is not None and self.graphs.has(
                     (k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s or -1))
             return answers[s]
@@ -406,7 +408,7 @@ class ModelRunner:
             launched = Launched(sub, self._launch(sub, self.graph_layout(sub), spec), spec=spec)
             for i, res in zip(rows, self.collect(launched)):
                 results[i] = res
-        return Launched(batch, None, results)
+        return Launched(batch, None, results, spec=spec)
 
     def collect(self, step: Launched) -> list[RowResult]:
         """Wait for a launched step (the one device -> host copy) -> one result per scheduled request."""

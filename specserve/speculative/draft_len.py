@@ -32,8 +32,8 @@ stops drafting for good.
 Outputs never depend on D: a step verifies whatever the step before drafted (0 included) and the target decides
 every token. A step that drafts 0 runs no draft head at all, so the head's KV misses that step's positions; its
 later drafts read stale keys there, which can lower acceptance, never change a token. One that verifies nothing
-either is a plain step (``Speculator.drafts_nothing``): held at D = 0, an engine's steps cost what no speculation's
-do.
+either (nor continues, under the overlap scheduler, a row whose step verifies drafts) is a plain step
+(``Speculator.drafts_nothing``): held at D = 0, an engine's steps cost what no speculation's do.
 """
 
 from __future__ import annotations
@@ -240,11 +240,10 @@ class _Launch:
 class StepPeriods:
     """Observed step periods (from one choice to the next) as the cost of the last step's (rows, option) where
     that is unambiguous: the last two steps and this one are generation steps of the same rows, the last two of
-    the same option, the option being
-    the step's column of the costs as it ran (a chain's step that proposes D while verifying wider drafts runs as
-    wide as them). (Under the overlap scheduler the period from one launch to the next mostly waits for the step
-    before to finish, so a period is the cost of a step where both agree; a step that changes option, a probe
-    included, is not recorded.)"""
+    the same option, the option being the step's column of the costs as it ran (a chain's step that proposes D
+    while verifying wider drafts runs as wide as them). (Under the overlap scheduler the period from one launch to
+    the next mostly waits for the step before to finish, so a period is the cost of a step where both agree; a step
+    that changes option, a probe included, is not recorded.)"""
 
     def __init__(self) -> None:
         self._launched: deque[_Launch] = deque(maxlen=2)  # the last two steps chosen for
