@@ -10,7 +10,8 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.runner.cuda_graph import CudaGraphs, capture_sizes
 from specserve.runner.graph_inputs import row_fields, stage_record
-from specserve.runner.model_runner import ModelRunner, prefill_q
+from specserve.runner.graph_layout import prefill_q
+from specserve.runner.model_runner import ModelRunner
 from specserve.runner.staging import Staging
 from tiny_models import PROMPTS, target_with_heads
 

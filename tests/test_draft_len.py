@@ -263,7 +263,7 @@ def test_a_prompt_step_keeps_to_a_draft_length_whose_prefill_graph_exists(dirs, 
     graphs, one row at a time, a capture made to cost more than any gain); greedy outputs are plain's."""
     import specserve.speculative.draft_len as draft_len
     from specserve.runner.cuda_graph import CudaGraphs
-    from specserve.runner.model_runner import GraphLayout
+    from specserve.runner.graph_layout import GraphLayout
 
     prompts, ref, refs = reference
     monkeypatch.setattr(draft_len, "CAPTURE_SECONDS", 1e9)

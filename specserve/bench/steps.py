@@ -17,7 +17,8 @@ import statistics
 
 import torch
 
-from specserve.runner.model_runner import GraphLayout, ModelRunner
+from specserve.runner.graph_layout import GraphLayout
+from specserve.runner.model_runner import ModelRunner
 from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 

@@ -10,7 +10,7 @@ reads a device value.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from specserve.kernels.step_inputs import correct_record, expand_record
 from specserve.models.attention import AttentionMetadata, causal_prompts
 from specserve.models.llama import LlamaForCausalLM
 from specserve.runner.cuda_graph import CudaGraphs, GraphCheck
+from specserve.runner.graph_layout import PREFILL_PAD_SLACK, GraphKey, GraphLayout, prefill_q
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
 from specserve.runner.overlap import CarryCopy, StepCarry, output_offsets, overlap_fields
@@ -33,7 +34,7 @@ from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 if TYPE_CHECKING:
     from specserve.speculative.speculator import Speculator
 
-__all__ = ["GraphKey", "GraphLayout", "Launched", "ModelRunner", "RowResult"]
+__all__ = ["Launched", "ModelRunner", "RowResult"]
 
 
 @dataclass
@@ -45,32 +46,6 @@ class Launched:
     results: list[RowResult] | None = None  # already collected (a step run as several graph replays)
     carry: CarryCopy | None = None  # overlap scheduler: its result rows on their way to the host
     spec: Speculator | None = None  # the speculator it ran (None: a plain step, whose output is the sampled tokens)
-
-
-@dataclass(frozen=True)
-class GraphLayout:
-    """The fixed shape of a CUDA-graph step (``ModelRunner.graph_layout``)."""
-
-    rows: int  # batch size, padded up to a captured size
-    q: int  # tokens per row: 1 (decode) or 1 + D (verify), or a prefill's padded token count
-    table_width: int  # block-table entries per row (covers max_model_len)
-    prefill: bool = False  # rows ending their prompts (``_prefill_layout``), not a generation step, whatever q is
-    from_zero: bool = False  # that prefill's rows are whole prompts, from position 0 (``AttentionMetadata.from_zero``)
-
-
-class GraphKey(NamedTuple):
-    """The graph a step replays (``ModelRunner.graph_key``)."""
-
-    layout: GraphLayout
-    switches: StepSwitches  # the host switches its code takes
-    size: int  # the record's size (the captured copy fixes it)
-
-    @property
-    def kind(self) -> tuple[GraphLayout, int]:
-        """What a choice of draft length asks of the graphs (``CudaGraphs.has``): the layout and the drafts the
-        step proposes a row (-1: a plain step, which a speculative engine's steps that verify and draft nothing
-        are, or a tree's step; its other switches follow the requests, not the choice)."""
-        return self.layout, self.switches.draft_len
 
 
 @dataclass
@@ -85,20 +60,6 @@ class _LastRecord:
     ints: dict[str, list]  # its integer fields
     spec: Speculator | None  # the speculator its step ran (None: a plain step; a record of one is no other's)
     restaged: RestageState | None = None  # what the steps since have rewritten (``restage_record``)
-
-
-# padding tokens a prefill layout of several rows may hold past twice its real tokens (``_prefill_layout``), which
-# also takes any layout of 16 tokens a row (the least ``prefill_q`` gives: prompts found cached but for their last
-# few tokens)
-PREFILL_PAD_SLACK = 256
-
-
-def prefill_q(n: int) -> int:
-    """Tokens a row of a prefill graph takes for a prompt's last n tokens: a power of two of at least 16 up to 512,
-    past it also three quarters of one (768, 1536, 3072, ...), so that at most a third of a long prompt's graph is
-    padding while a handful of graphs serve every length."""
-    q = max(16, 1 << (n - 1).bit_length())
-    return q // 4 * 3 if q > 512 and n <= q // 4 * 3 else q
 
 
 class ModelRunner:
