@@ -87,7 +87,8 @@ gemv_rows.MIN_ROWS = min_rows
 layers.rows_linear, qkv_rope._qkv_rows, layers.takes_kernel = rows_linear, qkv_rows, takes_kernel
 same = run("triton", True, True, "e3v") == ref
 bad += not same
-print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}", flush=True)
+print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok' if same else 'DIFFERENT'}",
+      flush=True)
 # attention split in 16-key ranges (this tiny context otherwise takes 64-key splits or one): the o projection
 # merges the partial sums in its prologue (gemv.merged_linear; with the defaults, verify steps of at least
 # gemv_rows.MIN_ROWS rows fold the norm, so it also writes the stream and its scaled copy); the full run also
@@ -110,10 +111,21 @@ for fold in (True,) if QUICK else (True, False):
           f"{'ok' if same else 'DIFFERENT'}", flush=True)
 # the overlap scheduler (rows corrected on the device from the step in flight: correct_record's kernel), with a
 # chain, with a draft tree (the tree attention mask, positions by depth from the parents) and with a chain whose
-# draft length changes every step (layouts of 1 + its drafts, 0 included; a step drafting 0 runs no head)
-for tree, lens in ((False, None), (True, None), (False, [0, 3, 1, 0, 2, 3])):
+# draft length changes every step (layouts of 1 + its drafts, 0 included; a step drafting 0 runs no head; the
+# third D = 0 in a row neither verifies nor continues a row that verifies drafts: a plain step, whose correction
+# reads the speculator's carry from its second column)
+from specserve.speculative.speculator import Speculator  # noqa: E402
+
+plain = []
+drafts_nothing = Speculator.drafts_nothing
+Speculator.drafts_nothing = lambda self, sched: plain.append(drafts_nothing(self, sched)) or plain[-1]
+for tree, lens in ((False, None), (True, None), (False, [0, 3, 1, 0, 0, 0, 2, 3])):
     # 7 tokens (greedy: the reference's first 7), as a tree step in the interpreter is slow
+    plain.clear()
     same = run("triton", True, True, overlap=True, tree=tree, tokens=7, draft_lens=lens) == [r[:7] for r in ref]
+    if lens and not any(plain):
+        print("no step ran as a plain one")
+        same = False
     bad += not same
     print(f"triton spec=True padded=True overlap scheduler, tree={tree}, draft lengths {lens}: "
           f"{'ok' if same else 'DIFFERENT'}", flush=True)

@@ -3,14 +3,13 @@ on the CPU through Triton's interpreter (Triton is a dependency wherever PyPI ha
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import interpreter_scripts
 import kernel_checks
 
 from specserve.kernels._triton import HAVE_TRITON as HAS_TRITON
@@ -25,36 +24,13 @@ def test_kernel_matches_reference_on_gpu(check, dtype):
 
 
 @pytest.fixture(scope="module")
-def interpreter_runs(tmp_path_factory):
-    """Both interpreter scripts started at once, with the quick shapes (check_util.QUICK; the full ones take
-    40 minutes here, ``TRITON_INTERPRET=1 SPECSERVE_BUILD_SM=90 python tests/kernel_checks.py cpu`` runs
-    them): each is one Python thread, so on a 2-core machine they finish together in the time of one. Each
-    also builds every kernel signature it launched for sm_90 (kernel_build.py): the interpreter runs code
-    that the compiler rejects."""
-    env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90", SPECSERVE_KERNEL_CHECKS="quick")
-    here = Path(__file__).parent
-    runs = {}
-    for name, script, args in (("kernels", "kernel_checks.py", ["cpu"]), ("engine", "kernel_engine_check.py", [])):
-        log = tmp_path_factory.mktemp("interpreter") / f"{name}.log"  # a file: a full pipe would stall the run
-        with open(log, "w") as f:
-            runs[name] = (subprocess.Popen([sys.executable, str(here / script), *args], env=env,
-                                           stdout=f, stderr=subprocess.STDOUT), log)
-
-    def result(name: str) -> tuple[int, str]:
-        proc, log = runs[name]
-        try:
-            rc = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-            return rc, f"timed out after 900 s\n{log.read_text()}"
-        return rc, log.read_text()
-
-    yield result
-    for proc, _ in runs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def interpreter_runs(request):
+    """Both interpreter scripts (``interpreter_scripts.start``: started by conftest.py as soon as the session has
+    collected these tests, so that they run beside the rest of the suite; started here when they were not),
+    waited for; killed at the end if still running."""
+    runs = interpreter_scripts.started(request.config) or interpreter_scripts.start(request.config)
+    yield runs.result
+    runs.kill()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="no Triton wheel for this platform")
@@ -69,7 +45,8 @@ def test_kernels_match_references_in_triton_interpreter(interpreter_runs):
 def test_engine_with_triton_kernels_matches_reference_in_interpreter(interpreter_runs):
     """Eight runs (the quick set: the padded plain layout, the norm folded with gate/up and qkv on the several-row
     kernels and without them, a draft vocabulary, attention in splits merged by the o projection, the overlap
-    scheduler with a chain, with a draft tree and with a chain whose draft length changes every step); without
+    scheduler with a chain, with a draft tree and with a chain whose draft length changes every step, three steps of D = 0 in a row among
+    them, the third a plain step); without
     SPECSERVE_KERNEL_CHECKS=quick the script runs twelve."""
     rc, out = interpreter_runs("engine")
     assert rc == 0, out
