@@ -45,9 +45,9 @@ def test_kernels_match_references_in_triton_interpreter(interpreter_runs):
 def test_engine_with_triton_kernels_matches_reference_in_interpreter(interpreter_runs):
     """Eight runs (the quick set: the padded plain layout, the norm folded with gate/up and qkv on the several-row
     kernels and without them, a draft vocabulary, attention in splits merged by the o projection, the overlap
-    scheduler with a chain, with a draft tree and with a chain whose draft length changes every step, three steps of D = 0 in a row among
-    them, the third a plain step); without
-    SPECSERVE_KERNEL_CHECKS=quick the script runs twelve."""
+    scheduler with a chain, with a draft tree and with a chain whose draft length changes every step, three steps
+    of D = 0 in a row among them, the third a plain step); without SPECSERVE_KERNEL_CHECKS=quick the script runs
+    twelve."""
     rc, out = interpreter_runs("engine")
     assert rc == 0, out
     assert out.count(": ok") == 8
