@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Sequence
 
@@ -28,16 +29,12 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: Path) -> "Tokenizer":
         """Builds the tokenizer (vocabulary, merges, special tokens, chat template) from GGUF metadata."""
-        import logging
+        from specserve.loaders.gguf_loader import file_identity
 
-        from transformers import AutoTokenizer
-
-        logging.getLogger("transformers").setLevel(logging.ERROR)
         try:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            return cls(_gguf_tokenizer(file_identity(path)))
         except Exception as e:
             raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
-        return cls(tok)
 
     @property
     def has_chat_template(self) -> bool:
@@ -62,6 +59,21 @@ class Tokenizer:
             text = self._decode_fast(list(ids), skip_special_tokens=skip_special_tokens)
             return text if self._clean_up is None else self._clean_up(text)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(identity: tuple[str, int, int, int]):
+    """transformers' tokenizer of a GGUF file (``gguf_loader.file_identity``), kept for the next engine of this
+    process: building it parses the file's metadata again and converts its vocabulary (the default model: about
+    12 s of CPU), and a benchmark or a test builds several engines on one file. Shared by those engines' tokenizers,
+    which only read it."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    path = Path(identity[0])
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
 def chat_message(m) -> dict:

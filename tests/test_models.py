@@ -261,6 +261,31 @@ def test_gguf_tokenizer_matches_folder(models, gguf_models, arch):
     assert tok.decode(got, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_second_engine_on_a_gguf_file_reuses_its_parse_until_the_file_changes(tmp_path):
+    """The gguf library's reader and transformers' tokenizer of a file are kept for the next engine of the process
+    (they are most of an engine's start on the default model); a file rewritten with other weights is read anew."""
+    from specserve.loaders import gguf_loader
+    from specserve.tokenizer import _gguf_tokenizer
+
+    folder = tmp_path / "hf"
+    hf = make_hf_model(folder, "llama")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, folder, hf, arch="llama", qtype="F32")
+    first = load_llm(path)
+    readers, tokenizers = gguf_loader._reader.cache_info().misses, _gguf_tokenizer.cache_info().misses
+    second = load_llm(path)
+    assert (gguf_loader._reader.cache_info().misses, _gguf_tokenizer.cache_info().misses) == (readers, tokenizers)
+    assert second.tokenizer.hf is first.tokenizer.hf
+    ids = prompt_ids(first.engine.model_config.vocab_size)
+    assert torch.equal(specserve_forward(first, ids)[0], specserve_forward(second, ids)[0])
+    with torch.no_grad():  # the same file, other weights
+        hf.get_output_embeddings().weight.mul_(-1)
+    write_gguf(path, folder, hf, arch="llama", qtype="F32")
+    third = load_llm(path)
+    assert gguf_loader._reader.cache_info().misses == readers + 1
+    assert not torch.equal(specserve_forward(third, ids)[0], specserve_forward(first, ids)[0])
+
+
 # --------------------------------------------------------------------------------------------------
 # 5. GGUF quantized types
 #
