@@ -34,3 +34,37 @@ def _close(a, b, dtype, what):
     a, b = a.float(), b.float()
     err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
     assert err <= TOL[dtype], f"{what}: max relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def faster_interpreter_device_calls() -> bool:
+    """Under Triton's interpreter, let a call of a ``@triton.jit`` helper from a kernel (``_gemv_weights``,
+    ``pdl_wait``, ``tl.max``, ...) patch the ``triton.language`` modules only where they are not patched yet: the
+    kernel's launch patches those it sees (their attributes, for the launch), and a helper that sees another (Triton's
+    own ``tl.core``) patches that one for good on its first call. Patching again on every call of every program
+    (``inspect.getmembers`` over the modules) was about a third of the interpreter scripts' time. Only where the
+    interpreter's device call is the one this was written against (it patches, rewrites and calls); else nothing
+    changes. -> whether applied."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    fn = getattr(interpreter, "InterpretedFunction", None)
+    names = getattr(getattr(getattr(fn, "__call__", None), "__code__", None), "co_names", ())
+    if not {"_patch_lang", "rewrite", "InterpreterError"} <= set(names) or not hasattr(interpreter, "_patch_lang"):
+        return False
+
+    def device_call(self, *args, **kwargs):
+        langs = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
+        if any(tl.core.is_builtin(lang.program_id) for lang in langs) or not langs:
+            interpreter._patch_lang(self.fn)
+        rewritten = self.rewrite()
+        try:
+            return rewritten(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    fn.__call__ = device_call
+    return True

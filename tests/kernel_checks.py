@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from check_util import QUICK, _close, kernel_check
+from check_util import QUICK, _close, faster_interpreter_device_calls, kernel_check
 from tree_checks import TREE_CHECKS
 from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_rows, check_norm_fold, check_qkv_rope,
                            check_qkv_rows)
@@ -337,6 +337,7 @@ def dtypes(device: str):
 
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    faster_interpreter_device_calls()
     if os.environ.get("SPECSERVE_BUILD_SM"):  # interpreting: also build each kernel for that GPU (kernel_build.py)
         import kernel_build
         launched = kernel_build.record(("bf16",) if QUICK else ("fp16", "bf16"))

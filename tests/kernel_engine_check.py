@@ -11,10 +11,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from check_util import faster_interpreter_device_calls  # noqa: E402
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 from tiny_models import PROMPTS, make_head, make_hf_model  # noqa: E402
 
+faster_interpreter_device_calls()
 if os.environ.get("SPECSERVE_BUILD_SM"):  # also build each launched kernel for that GPU (kernel_build.py)
     import kernel_build  # noqa: E402
     launched = kernel_build.record()
