@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Sequence
@@ -29,10 +30,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: Path) -> "Tokenizer":
         """Builds the tokenizer (vocabulary, merges, special tokens, chat template) from GGUF metadata."""
-        from specserve.loaders.gguf_loader import file_identity
-
         try:
-            return cls(_gguf_tokenizer(file_identity(path)))
+            st = path.stat()  # the file's identity: one rewritten or replaced is read again
+            return cls(copy.deepcopy(_gguf_tokenizer(str(path.resolve()), st.st_size, st.st_ino, st.st_mtime_ns)))
         except Exception as e:
             raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata ({e})") from None
 
@@ -62,18 +62,17 @@ class Tokenizer:
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_tokenizer(identity: tuple[str, int, int, int]):
-    """transformers' tokenizer of a GGUF file (``gguf_loader.file_identity``), kept for the next engine of this
-    process: building it parses the file's metadata again and converts its vocabulary (the default model: about
-    12 s of CPU), and a benchmark or a test builds several engines on one file. Shared by those engines' tokenizers,
-    which only read it."""
+def _gguf_tokenizer(path: str, size: int, inode: int, mtime_ns: int):
+    """transformers' tokenizer of a GGUF file, kept for the next engine of this process (keyed by the file's
+    identity): building it parses the file's metadata and converts its vocabulary (the default model: about 9 of
+    an engine's 13 s of start on the CPU), and a benchmark or a test builds several engines on one file. Each
+    engine gets a copy (0.2 s): a fast tokenizer is not safe to call from several threads at once."""
     import logging
 
     from transformers import AutoTokenizer
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    path = Path(identity[0])
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name, local_files_only=True)
 
 
 def chat_message(m) -> dict:

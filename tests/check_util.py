@@ -36,6 +36,10 @@ def _close(a, b, dtype, what):
     assert err <= TOL[dtype], f"{what}: max relative error {err:.2e} > {TOL[dtype]:.0e}"
 
 
+# the names Triton 3.7's ``InterpretedFunction.__call__`` uses: patch, rewrite, call, wrap the error
+_DEVICE_CALL_NAMES = ("_patch_lang", "fn", "rewrite", "Exception", "InterpreterError", "repr")
+
+
 def faster_interpreter_device_calls() -> bool:
     """Under Triton's interpreter, let a call of a ``@triton.jit`` helper from a kernel (``_gemv_weights``,
     ``pdl_wait``, ``tl.max``, ...) patch the ``triton.language`` modules only where they are not patched yet: the
@@ -53,7 +57,7 @@ def faster_interpreter_device_calls() -> bool:
         return False
     fn = getattr(interpreter, "InterpretedFunction", None)
     names = getattr(getattr(getattr(fn, "__call__", None), "__code__", None), "co_names", ())
-    if not {"_patch_lang", "rewrite", "InterpreterError"} <= set(names) or not hasattr(interpreter, "_patch_lang"):
+    if names != _DEVICE_CALL_NAMES:  # another Triton's device call: it may do more than this replacement
         return False
 
     def device_call(self, *args, **kwargs):

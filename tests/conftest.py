@@ -22,7 +22,7 @@ def pytest_collection_finish(session):
     from specserve.kernels._triton import HAVE_TRITON
 
     if HAVE_TRITON and not session.config.option.collectonly and any(
-            item.originalname in interpreter_scripts.TESTS for item in session.items):
+            getattr(item, "originalname", None) in interpreter_scripts.TESTS for item in session.items):
         interpreter_scripts.start(session.config)
 
 

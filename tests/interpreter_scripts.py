@@ -1,14 +1,15 @@
 """The CPU suite's two Triton-interpreter scripts (kernel_checks.py and kernel_engine_check.py, the quick shapes:
 check_util.QUICK; the full ones take 40 minutes here, ``TRITON_INTERPRET=1 SPECSERVE_BUILD_SM=90 python
-tests/kernel_checks.py cpu`` runs them) as background processes. Each is one Python thread for ten minutes or more
-on a 2-core machine, so conftest.py starts them as soon as the session has collected the tests that read them:
-they then run beside the rest of the suite instead of holding it up while it waits for them. Each also builds
-every kernel signature it launched for sm_90 (kernel_build.py): the interpreter runs code that the compiler
-rejects."""
+tests/kernel_checks.py cpu`` runs them) as background processes. Each is one Python thread for several minutes on
+a 2-core machine (about 4 and 7), so conftest.py starts them as soon as the session has collected the tests that
+read them: they then run beside the rest of the suite instead of holding it up while it waits for them. Each also
+builds every kernel signature it launched for sm_90 (kernel_build.py): the interpreter runs code that the
+compiler rejects."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ _KEY = pytest.StashKey["Runs"]()
 class Runs:
     procs: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)  # name -> (process, its log)
     started: float = field(default_factory=time.monotonic)
+    logs: Path | None = None  # the folder of their logs, removed at the session's end
 
     def result(self, name: str) -> tuple[int, str]:
         """The script's exit status and output, once it has ended (killed past ``TIMEOUT_S`` from the start)."""
@@ -54,7 +56,7 @@ def start(config: pytest.Config) -> Runs:
     env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90", SPECSERVE_KERNEL_CHECKS="quick",
                OMP_NUM_THREADS="1")  # one thread each: they share two cores with the suite
     here, logs = Path(__file__).parent, Path(tempfile.mkdtemp(prefix="interpreter-"))
-    runs = Runs()
+    runs = Runs(logs=logs)
     for name, (script, args) in SCRIPTS.items():
         with open(logs / f"{name}.log", "w") as f:
             proc = subprocess.Popen([sys.executable, str(here / script), *args], env=env, stdout=f,
@@ -72,3 +74,4 @@ def stop(config: pytest.Config) -> None:
     runs = started(config)
     if runs is not None:
         runs.kill()
+        shutil.rmtree(runs.logs, ignore_errors=True)

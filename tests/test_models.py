@@ -261,10 +261,9 @@ def test_gguf_tokenizer_matches_folder(models, gguf_models, arch):
     assert tok.decode(got, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_second_engine_on_a_gguf_file_reuses_its_parse_until_the_file_changes(tmp_path):
-    """The gguf library's reader and transformers' tokenizer of a file are kept for the next engine of the process
-    (they are most of an engine's start on the default model); a file rewritten with other weights is read anew."""
-    from specserve.loaders import gguf_loader
+def test_a_second_engine_on_a_gguf_file_reuses_its_tokenizer_until_the_file_changes(tmp_path):
+    """transformers' tokenizer of a GGUF file is kept for the next engine of the process (most of an engine's
+    start on the default model), each engine with its own copy; a file rewritten in place is read anew."""
     from specserve.tokenizer import _gguf_tokenizer
 
     folder = tmp_path / "hf"
@@ -272,18 +271,16 @@ def test_a_second_engine_on_a_gguf_file_reuses_its_parse_until_the_file_changes(
     path = tmp_path / "m.gguf"
     write_gguf(path, folder, hf, arch="llama", qtype="F32")
     first = load_llm(path)
-    readers, tokenizers = gguf_loader._reader.cache_info().misses, _gguf_tokenizer.cache_info().misses
+    built = _gguf_tokenizer.cache_info().misses
     second = load_llm(path)
-    assert (gguf_loader._reader.cache_info().misses, _gguf_tokenizer.cache_info().misses) == (readers, tokenizers)
-    assert second.tokenizer.hf is first.tokenizer.hf
-    ids = prompt_ids(first.engine.model_config.vocab_size)
-    assert torch.equal(specserve_forward(first, ids)[0], specserve_forward(second, ids)[0])
-    with torch.no_grad():  # the same file, other weights
-        hf.get_output_embeddings().weight.mul_(-1)
+    assert _gguf_tokenizer.cache_info().misses == built
+    assert second.tokenizer.hf is not first.tokenizer.hf  # a copy each: not shared across threads
+    msgs = [{"role": "user", "content": "hi"}]
+    assert second.tokenizer.apply_chat_template(msgs) == first.tokenizer.apply_chat_template(msgs)
+    # the same path, size and inode, other contents: only the modification time tells (a key without it fails)
     write_gguf(path, folder, hf, arch="llama", qtype="F32")
-    third = load_llm(path)
-    assert gguf_loader._reader.cache_info().misses == readers + 1
-    assert not torch.equal(specserve_forward(third, ids)[0], specserve_forward(first, ids)[0])
+    load_llm(path)
+    assert _gguf_tokenizer.cache_info().misses == built + 1
 
 
 # --------------------------------------------------------------------------------------------------

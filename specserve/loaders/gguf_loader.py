@@ -7,7 +7,6 @@ RoPE layout; this module undoes that so the tensors match the rotate-half layout
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Iterator
 
@@ -73,30 +72,15 @@ def llama_cpp_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def file_identity(path: Path) -> tuple[str, int, int, int]:
-    """What the in-process caches of a file's parse are keyed by: its resolved path, size, inode and modification
-    time (a file rewritten or replaced is parsed again)."""
-    st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_ino, st.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=2)
-def _reader(identity: tuple[str, int, int, int]):
-    """The ``gguf`` library's reader of a file, kept for the next engine of this process: it parses every metadata
-    field when opened (the default model's 49,152-token vocabulary and its merges: about 6 s of CPU), and a
-    benchmark or a test builds several engines on one file. Read only: it maps the file read-only."""
-    from gguf import GGUFReader
-
-    return GGUFReader(identity[0])
-
-
 class GGUFFile:
     """An opened GGUF file: metadata, the model config, and HF-named float32 tensors."""
 
     def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
         self.path = path
         try:
-            self.reader = _reader(file_identity(path))
+            self.reader = GGUFReader(str(path))
         except Exception as e:  # the library raises assorted errors on a corrupt file
             raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
         arch = self.field("general.architecture")
