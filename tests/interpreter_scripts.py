@@ -29,9 +29,9 @@ _KEY = pytest.StashKey["Runs"]()
 
 @dataclass
 class Runs:
+    logs: Path  # the folder of their logs, removed when pytest ends
     procs: dict[str, tuple[subprocess.Popen, Path]] = field(default_factory=dict)  # name -> (process, its log)
     started: float = field(default_factory=time.monotonic)
-    logs: Path | None = None  # the folder of their logs, removed at the session's end
 
     def result(self, name: str) -> tuple[int, str]:
         """The script's exit status and output, once it has ended (killed past ``TIMEOUT_S`` from the start)."""
@@ -56,7 +56,7 @@ def start(config: pytest.Config) -> Runs:
     env = dict(os.environ, TRITON_INTERPRET="1", SPECSERVE_BUILD_SM="90", SPECSERVE_KERNEL_CHECKS="quick",
                OMP_NUM_THREADS="1")  # one thread each: they share two cores with the suite
     here, logs = Path(__file__).parent, Path(tempfile.mkdtemp(prefix="interpreter-"))
-    runs = Runs(logs=logs)
+    runs = Runs(logs)
     for name, (script, args) in SCRIPTS.items():
         with open(logs / f"{name}.log", "w") as f:
             proc = subprocess.Popen([sys.executable, str(here / script), *args], env=env, stdout=f,

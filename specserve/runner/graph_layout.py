@@ -34,7 +34,6 @@ class GraphKey(NamedTuple):
         return self.layout, self.switches.draft_len
 
 
-
 # padding tokens a prefill layout of several rows may hold past twice its real tokens (``_prefill_layout``), which
 # also takes any layout of 16 tokens a row (the least ``prefill_q`` gives: prompts found cached but for their last
 # few tokens)
