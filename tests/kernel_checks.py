@@ -11,8 +11,8 @@ import torch
 
 from check_util import QUICK, _close, faster_interpreter_device_calls, kernel_check
 from tree_checks import TREE_CHECKS
-from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_loop, check_gemv_rows, check_norm_fold,
-                           check_qkv_rope, check_qkv_rows)
+from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_rows, check_norm_fold, check_qkv_rope,
+                           check_qkv_rows)
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.argmax import CHUNK, argmax_lastdim
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
@@ -328,7 +328,7 @@ def check_draft_inputs(device, dtype):
 
 CHECKS = [check_norm, check_silu, check_rope_cache, check_attention, check_greedy_accept, *TREE_CHECKS, check_argmax,
           check_embed_norm_cat, check_step_inputs, check_correct_record, check_draft_inputs, check_gemv, check_gemv_rows,
-          check_gemv_loop, check_qkv_rope, check_qkv_rows, check_norm_fold, check_attn_merge_fold]
+          check_qkv_rope, check_qkv_rows, check_norm_fold, check_attn_merge_fold]
 
 def dtypes(device: str):
     """bfloat16 on the GPU; Triton's interpreter cannot run tl.dot on bfloat16, so float16 stands in there."""

@@ -10,8 +10,7 @@ from check_util import QUICK, _close, kernel_check
 from specserve.kernels import gemv, gemv_rows, qkv_rope
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.attention import paged_attention_sdpa, paged_attention_triton
-from specserve.kernels.gemv import (ADD_NORM, NONE, NORM, SILU_MUL, SILU_MUL_RSTD, fused_linear, gemv_enabled,
-                                    linear_ref)
+from specserve.kernels.gemv import ADD_NORM, NONE, NORM, SILU_MUL, fused_linear, gemv_enabled, linear_ref
 from specserve.kernels.gemv_rows import rows_linear, rows_takes
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, ROWS_PAIRS, ROWS_WARPS, _qkv_rows, qkv_rope_cache
@@ -84,22 +83,20 @@ def check_qkv_rope(device, dtype):
 @kernel_check
 def check_qkv_rows(device, dtype):
     """The several-row qkv + RoPE kernel (each weight block read once for all rows) against the projection
-    and then the rope kernel, for prologues none / norm / residual add + norm, with and without a bias, 4, 5,
-    8, 12 and 25 rows (a 32-row tile), two or three launches (nothing written to other cache slots, the new
-    residual exact); and the choice: a 5-row step takes it with the default launch, a 1-row step keeps the
-    one-row kernel, a 25-row step takes it where the other projections of its layer take the several-row loop
-    kernel (``gemv_rows.loop_takes``: not float16) and else none of these kernels."""
+    and then the rope kernel, for prologues none / norm / residual add + norm, with and without a bias, 4, 5
+    and 8 rows, two launches (nothing written to other cache slots, the new residual exact); and the choice: a
+    5-row step takes it with the default launch, a 1-row step keeps the one-row kernel."""
     g = torch.Generator().manual_seed(14)
     hq, hkv, d, blocks, bs, k, w, bias, nw, cos, sin = _qkv_setup(g, device, dtype)
-    xs = torch.randn(25, k + 8, generator=g).to(device, dtype)[:, :k]
-    ress = torch.randn(25, k, generator=g).to(device, dtype)
-    poss = torch.tensor([0, 5, 17, 40, 99, 3, 64, 1] + list(range(70, 87)), device=device)
-    slotss = torch.tensor([16, 21, 33, 79, 64, 2, 50, 70] + list(range(22, 32)) + list(range(40, 47)), device=device)
+    x8 = torch.randn(8, k + 8, generator=g).to(device, dtype)[:, :k]
+    res8 = torch.randn(8, k, generator=g).to(device, dtype)
+    pos8 = torch.tensor([0, 5, 17, 40, 99, 3, 64, 1], device=device)
+    slots8 = torch.tensor([16, 21, 33, 79, 64, 2, 50, 70], device=device)
     cases = [(NONE, None, 2, 5), (NORM, bias, 4, 5), (ADD_NORM, None, 4, 5), (NORM, None, 2, 4),
-             (ADD_NORM, bias, 2, 5), (ADD_NORM, None, 4, 8), (ADD_NORM, bias, 4, 25), (NORM, None, 8, 12)]
+             (ADD_NORM, bias, 2, 5), (ADD_NORM, None, 4, 8)]
     for pro, b, warps, t in cases:
         what = f"qkv rows prologue={pro} bias={b is not None} warps={warps} t={t}"
-        x, res, pos, slots = xs[:t], ress[:t], poss[:t], slotss[:t]
+        x, res, pos, slots = x8[:t], res8[:t], pos8[:t], slots8[:t]
         args = (x, w, b, pro, res if pro == ADD_NORM else None, None if pro == NONE else nw, 1e-5)
         caches = [torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device) for _ in range(2)]
         got = _qkv_rows(*args, pos, cos, sin, *caches[0], slots, hq, hkv, d, setting=(16, warps))
@@ -114,20 +111,17 @@ def check_qkv_rows(device, dtype):
         written[slots] = True
         assert not caches[0].view(2, blocks * bs, hkv, d)[:, ~written].any(), what + ": a slot outside the step"
         assert (got[1] is None) == (r is None) and (r is None or torch.equal(got[1], r)), what + ": residual"
-    args = (xs[:5], w, None, ADD_NORM, ress[:5], nw, 1e-5)
+    args = (x8[:5], w, None, ADD_NORM, res8[:5], nw, 1e-5)
     cache = torch.zeros(2, blocks, bs, hkv, d, dtype=dtype, device=device)
     calls, qkv_rows = [], qkv_rope._qkv_rows
     qkv_rope._qkv_rows = lambda *a, **k: calls.append(a[0].shape[0]) or qkv_rows(*a, **k)
     try:
-        got = qkv_rope_cache(*args, poss[:5], cos, sin, *cache, slotss[:5], hq, hkv, d)
-        qkv_rope_cache(xs[:1], *args[1:4], ress[:1], nw, 1e-5, poss[:1], cos, sin, *cache, slotss[:1], hq, hkv, d)
-        many = qkv_rope_cache(xs, *args[1:4], ress, nw, 1e-5, poss, cos, sin, *cache, slotss, hq, hkv, d)
+        got = qkv_rope_cache(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d)
+        qkv_rope_cache(x8[:1], *args[1:4], res8[:1], nw, 1e-5, pos8[:1], cos, sin, *cache, slots8[:1], hq, hkv, d)
     finally:
         qkv_rope._qkv_rows = qkv_rows
-    loops = dtype != torch.float16
-    assert calls == ([5, 25] if loops else [5]), f"the several-row kernel ran for steps of {calls} rows"
-    assert (many is not None) == loops, "a 25-row step's qkv projection on the wrong path"
-    want = _qkv_rows(*args, poss[:5], cos, sin, *cache, slotss[:5], hq, hkv, d, setting=(ROWS_PAIRS, ROWS_WARPS))
+    assert calls == [5], f"the several-row kernel ran for steps of {calls} rows, not for the 5-row step only"
+    want = _qkv_rows(*args, pos8[:5], cos, sin, *cache, slots8[:5], hq, hkv, d, setting=(ROWS_PAIRS, ROWS_WARPS))
     assert torch.equal(got[0], want[0]), "a 5-row step on the several-row kernel with the default launch"
 
 
@@ -252,52 +246,10 @@ def check_gemv_rows(device, dtype):
 
 
 @kernel_check
-def check_gemv_loop(device, dtype):
-    """The several-row loop kernel (``gemv_rows.loop_linear``: steps of more rows than the one-row kernels take)
-    against its references: the o projection with a bias, the stream added and its scaled copy
-    (``linear_add_scaled``'s reference), gate/up through ``rows_linear``, and the down projection with SiLU(gate)
-    * up scaled by the stream's 1 / rms, the stream added (``linear_ref``, SILU_MUL_RSTD), at 9 and 25 rows (16-
-    and 32-row tiles), K a multiple of the loop's step and not; and the choice (``loop_takes``): 9 to 32 rows of
-    float32 or bfloat16, not 8 or 33, not float16 (launched here directly: it stands in for bfloat16, which the
-    interpreter cannot run)."""
-    g = torch.Generator().manual_seed(15)
-    shapes = ((48, 80, 96),) if QUICK else ((576, 576, 1536), (40, 130, 72))  # (N, K, intermediate)
-    for n, k, i in shapes:
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, dtype)
-        w_down = (torch.randn(n, i, generator=g) / i ** 0.5).to(device, dtype)
-        w_gu = (torch.randn(2 * i, n, generator=g) / n ** 0.5).to(device, dtype)
-        bias = (0.1 * torch.randn(n, generator=g)).to(device, dtype)
-        nw = (1 + 0.1 * torch.randn(n, generator=g)).to(device, dtype)
-        for t in (9, 25):
-            what = f"gemv loop n={n} k={k} t={t}"
-            x = torch.randn(t, k + 8, generator=g).to(device, dtype)[:, :k]
-            stream = (3 * torch.randn(t, n, generator=g)).to(device, dtype)
-            gu = torch.randn(t, 2 * i, generator=g).to(device, dtype)
-            if dtype == torch.float16:
-                got = gemv_rows._loop_launch(x, w, bias, NONE, None, 0.0, stream, nw)
-                down = gemv_rows._loop_launch(gu, w_down, None, SILU_MUL_RSTD, stream, 1e-5, stream, None)[0]
-                up = gemv_rows._loop_launch(stream, w_gu, None, NONE, None, 0.0, None, None)[0]
-            else:
-                assert gemv_rows.loop_takes(x, w), what + ": not taken"
-                got = gemv_rows.loop_linear(x, w, bias, add=stream, norm_weight=nw)
-                down = gemv_rows.loop_linear(gu, w_down, None, SILU_MUL_RSTD, stream, 1e-5, stream)[0]
-                up = rows_linear(stream, w_gu)
-            want = gemv.linear_add_scaled(x, w, bias, stream, nw)
-            _close(got[0], want[0], dtype, what + ": o + stream")
-            _close(got[1], want[1], dtype, what + ": scaled")
-            _close(down, linear_ref(gu, w_down, None, SILU_MUL_RSTD, stream, None, 1e-5, stream)[0], dtype,
-                   what + ": down")
-            _close(up, torch.nn.functional.linear(stream, w_gu), dtype, what + ": gate/up")
-    like = torch.zeros(33, k, device=device, dtype=dtype)
-    takes = [gemv_rows.loop_takes(like[:r], w) for r in (8, 9, 32, 33)]
-    assert takes == ([False] * 4 if dtype == torch.float16 else [False, True, True, False]), f"loop takes {takes}"
-
-
-@kernel_check
 def check_norm_fold(device, dtype):
     """The MLP with the norm before it folded (``SwiGLU.from_stream`` after ``linear_add_scaled``) == the MLP
     after that norm (``SwiGLU.after_norm`` / ``after_norm_sum``), at the default model's widths (quick: small
-    ones), a verify step's 5 rows, where the engine folds, and a tree's 25 (``gemv_rows.loop_linear``)."""
+    ones) and a verify step's 5 rows, where the engine folds."""
     from specserve.models.layers import RMSNorm, SwiGLU
 
     g = torch.Generator().manual_seed(7)
@@ -312,7 +264,7 @@ def check_norm_fold(device, dtype):
         w_o = (torch.randn(h, a, generator=g) / a ** 0.5).to(device, dtype)
         # gate/up by cuBLAS (one row; 5 rows with the several-row kernel's lower bound raised past them, as
         # for a model too wide for it), or by gemv_rows' kernel
-        for t, rows in ((1, False), (5, False), (5, True), (25, False)):  # 25: the several-row loop kernel
+        for t, rows in ((1, False), (5, False), (5, True)):
             attn = torch.randn(t, a, generator=g).to(device, dtype)
             stream = torch.randn(t, h, generator=g).to(device, dtype)
             s, scaled = gemv.linear_add_scaled(attn, w_o, None, stream, norm.weight)

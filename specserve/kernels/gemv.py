@@ -161,8 +161,8 @@ def fused_linear(x, weight, bias=None, prologue: Prologue = NONE, residual=None,
         return linear_ref(x, _dequantized(weight, scale, x.dtype), bias, prologue, residual, norm_weight, eps, add,
                           kernels=kernels)
 
-    if not _fusable(x, weight, residual, add, norm_weight, bias):  # the prologue's own kernel where there is one
-        return ref(kernels=True)
+    if not _fusable(x, weight, residual, add, norm_weight, bias):
+        return ref()
     t, (n, k) = x.shape[0], weight.shape
     bn = block or block_n(n, k, t)
     if block is None and not _programs_ok(triton.cdiv(n, bn), t):

@@ -17,8 +17,7 @@ from specserve.kernels.pdl import kernel_args
 
 EMBED_CAT = gemv.Prologue.EMBED_CAT  # a draft head's layer: its input row built from a token's embedding and x
 # Steps of ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows on ``_qkv_rows_kernel``: 16 pairs per program, 4 warps
-# (H200, a 5-row step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72); steps of more rows
-# (to ``gemv_rows.LOOP_MAX_ROWS``) too, with twice the warps where their tile would not fit 4
+# (H200, a 5-row step's call 3.84 µs against 4.25 for one program per row, with 2 warps 4.72)
 ROWS_PAIRS = 16
 ROWS_WARPS = 4
 
@@ -36,27 +35,23 @@ def qkv_rope_cache(x, weight, bias, prologue, residual, norm_weight, eps, positi
     (rotated) and v written to the caches [blocks, block_size, Hkv, D] at ``slot_mapping`` [T]; or None where
     the kernel does not apply (the caller then runs ``fused_linear`` and ``rope_and_cache``). A step of
     ``gemv_rows.MIN_ROWS`` to ``gemv.MAX_ROWS`` rows without EMBED_CAT runs ``_qkv_rows_kernel`` where that
-    applies, each weight block read once for all rows; other steps one program per row. A step of more rows
-    (``gemv_rows.loop_takes``: up to ``LOOP_MAX_ROWS``) runs ``_qkv_rows_kernel`` or returns None. ``embed`` = (ids [T],
+    applies, each weight block read once for all rows; other steps one program per row. ``embed`` = (ids [T],
     table [V, H], embedding norm weight [H]) with prologue EMBED_CAT: the input row is ``embed_norm_cat``'s,
     cat(norm(table[ids]), norm(x)) [2H] (a draft head's layer; ``norm_weight`` is the hidden half's), K = 2H."""
     n, k = weight.shape
     half = d // 2
     kx = k // 2 if prologue == EMBED_CAT else k  # the width of x (and of each half's norm)
     rows = (residual, norm_weight, bias) + ((embed[1], embed[2]) if prologue == EMBED_CAT else ())
-    t = x.shape[0]
-    # more rows than the one-row kernels take: the several-row kernel's (``SwiGLU.many_rows``) or none
-    many = gemv.MAX_ROWS < t and gemv_rows.loop_takes(x, weight) and prologue != EMBED_CAT and all(
-        a is None or a.stride(-1) == 1 for a in rows)
     if (not kernel_usable("qkv_rope") or d % 2 or n != (hq + 2 * hkv) * d
             or (prologue == EMBED_CAT) != (embed is not None) or x.shape[-1] != kx
-            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
-            or not (many or gemv._fusable(x, weight, *rows))):
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or not gemv._fusable(x, weight, *rows)):
         return None
-    if prologue in (gemv.NONE, gemv.NORM, gemv.ADD_NORM) and gemv_rows.MIN_ROWS <= t and kernel_usable("qkv_rows"):
+    t = x.shape[0]
+    if prologue in (gemv.NONE, gemv.NORM, gemv.ADD_NORM) and gemv_rows.MIN_ROWS <= t <= gemv.MAX_ROWS \
+            and kernel_usable("qkv_rows"):
         fused = _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, cos_cache, sin_cache,
                           k_cache, v_cache, slot_mapping, hq, hkv, d)
-        if fused is not None or many:
+        if fused is not None:
             return fused
     # pairs per program: a power of two dividing D/2, from x's width (EMBED_CAT: one half of the input row); the
     # same for any number of rows (twice as many for several rows, as ``gemv.WIDE`` does, was not adopted)
@@ -90,11 +85,9 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
     hb, warps = setting or (ROWS_PAIRS, ROWS_WARPS)
     t, k, half = x.shape[0], weight.shape[1], d // 2
     hb = min(hb, half)
-    if setting is None and not gemv_rows.fits(k, 2 * hb, warps, t):  # a step of many rows: twice the threads
-        warps *= 2
     # tl.dot's N is at least 16; wider K than ``gemv_rows.fits`` spills (K = 1,536 at 16 pairs / 4 warps: 488
     # bytes a thread, 2,048: 9.5 KB; ``benchmarks/kernel_spills.py``)
-    if half % hb or hb < 16 or weight.dtype != x.dtype or not gemv_rows.fits(k, 2 * hb, warps, t):
+    if half % hb or hb < 16 or weight.dtype != x.dtype or not gemv_rows.fits(k, 2 * hb, warps):
         return None
     k1, k2 = gemv_rows.dot_blocks(k)
     q_out = torch.empty(t, hq, d, dtype=x.dtype, device=x.device)
@@ -105,8 +98,7 @@ def _qkv_rows(x, weight, bias, prologue, residual, norm_weight, eps, positions, 
             norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight,
             q_out, k_cache, v_cache, positions, slot_mapping, cos_cache, sin_cache, eps, x.stride(0),
             residual.stride(0) if residual is not None else 0, weight.stride(0), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], T=t,
-            TP=gemv_rows.padded_rows(t), K=k, K1=k1,
+            k_cache.stride(1), k_cache.stride(2), cos_cache.stride(0), k_cache.shape[1], T=t, TP=16, K=k, K1=k1,
             K2=k2, PROLOGUE=int(prologue), HAS_BIAS=bias is not None, HB=hb, HALF=half, HQ=hq,
             HKV=hkv, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **kernel_args(x))
     except Exception as e:  # not built here (first launch; never inside a capture)

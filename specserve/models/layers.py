@@ -14,7 +14,7 @@ from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.argmax import argmax_lastdim
 from specserve.kernels.gemv import (ADD_NORM, NORM, SILU_MUL, SILU_MUL_RSTD, fused_argmax, fused_linear, gemv_enabled,
                                     takes_kernel)
-from specserve.kernels.gemv_rows import loop_linear, loop_takes, rows_linear, rows_takes
+from specserve.kernels.gemv_rows import rows_linear, rows_takes
 from specserve.kernels.norm import rms_norm
 from specserve.kernels.rope import rope_ref
 
@@ -175,18 +175,8 @@ class SwiGLU(nn.Module):
 
     def few_row_path(self, x: torch.Tensor) -> bool:
         """Whether a step with input x [T, H] runs this MLP (and its layer) on the few-row kernels (not under
-        tensor parallelism: their fused residual adds and norm folds need the ranks' sums in between): at most
-        ``gemv.MAX_ROWS`` rows, or up to ``gemv_rows.LOOP_MAX_ROWS`` on the several-row kernels (``many_rows``)."""
-        return not self.tp.active and (gemv_enabled(x, max(self.gate_up_proj.in_features, self.intermediate))
-                                       or self.many_rows(x))
-
-    def many_rows(self, x: torch.Tensor) -> bool:
-        """Whether a step with input x [T, H] has more rows than the one-row kernels take and runs every
-        projection of the layer on the several-row kernels (``gemv_rows.loop_linear``, the qkv projection on
-        ``qkv_rope._qkv_rows_kernel``), the norm after attention folded (``norm_folds``; no biases to fold past)."""
-        gu, down = self.gate_up_proj, self.down_proj
-        return (not self.tp.active and gu.bias is None and down.bias is None and loop_takes(x, gu.weight)
-                and loop_takes(x, down.weight))
+        tensor parallelism: their fused residual adds and norm folds need the ranks' sums in between)."""
+        return not self.tp.active and gemv_enabled(x, max(self.gate_up_proj.in_features, self.intermediate))
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
         """x, residual [T, H] -> (self(norm(x + residual)), x + residual): four kernels, or two on the
@@ -215,8 +205,6 @@ class SwiGLU(nn.Module):
         it (``gemv_rows``: that kernel with the norm in its prologue instead timed slower). Not in float16: the
         gate/up outputs are rms(s) times gate/up's, which a large stream could take past its range."""
         gu = self.gate_up_proj
-        if self.many_rows(x):
-            return True
         return (x.dtype != torch.float16 and self.few_row_path(x) and gu.bias is None
                 and (rows_takes(x, gu.weight) or not takes_kernel(gu.out_features, gu.in_features, x.shape[0])))
 
@@ -224,15 +212,10 @@ class SwiGLU(nn.Module):
         """``self(norm(s))`` (+ s with ``add_stream``) where ``norm_folds``: s [T, H] is the stream, ``scaled``
         s * norm.weight [T, H]; norm(s) = scaled / rms(s) row by row, so gate_up(norm(s)) = gate_up(scaled) /
         rms(s), applied in the down projection's prologue. Two kernels for a norm, a GEMM and the down one; the GEMM
-        is ``gemv_rows``'s kernel where that takes it, else cuBLAS (both on ``gemv_rows.loop_linear`` for a step of
-        ``many_rows``)."""
+        is ``gemv_rows``'s kernel where that takes it, else cuBLAS."""
         gu = rows_linear(scaled, self.gate_up_proj.weight)  # [T, 2I], rms(s) times gate/up (or F.linear)
-        add = s if add_stream else None
-        looped = loop_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL_RSTD, s, norm.eps, add)
-        if looped is not None:
-            return looped[0]
         return fused_linear(gu, self.down_proj.weight, self.down_proj.bias, SILU_MUL_RSTD, s, None, norm.eps,
-                            add=add)[0]
+                            add=s if add_stream else None)[0]
 
     def _normed_gate_up(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
         """The few-row path's first kernel: (gate_up(norm(x + residual)) [T, 2I], x + residual)."""

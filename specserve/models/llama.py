@@ -19,7 +19,6 @@ from specserve.models.attention import AttentionMetadata, paged_attention
 from specserve.kernels.attention import AttnPartials
 from specserve.kernels.gemv import (ADD_NORM, MERGE_FOLD, NONE, NORM, Prologue, fused_linear, linear_add_scaled,
                                     merged_linear, merges_splits)
-from specserve.kernels.gemv_rows import loop_linear
 from specserve.kernels.norm import embed_norm_cat
 from specserve.kernels.qkv_rope import EMBED_CAT, qkv_rope_cache
 from specserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, VocabParallelEmbedding, linear
@@ -137,9 +136,6 @@ class Attention(nn.Module):
         """out [..., Hq * D] -> the o projection [..., H]; with ``fold`` (an RMSNorm) and ``stream`` [..., H]:
         (o + stream, (o + stream) * fold.weight)."""
         if fold is not None:
-            looped = loop_linear(out, self.o_proj.weight, self.o_proj.bias, add=stream, norm_weight=fold.weight)
-            if looped is not None:  # a step of more rows than the one-row kernels take
-                return looped
             return linear_add_scaled(out, self.o_proj.weight, self.o_proj.bias, stream, fold.weight)
         return self.tp.all_reduce(linear(self.o_proj, out))
 
