@@ -12,6 +12,9 @@ timed eagerly (triton.testing.do_bench) and its row says so.
 ``--cached``: the same for prompt chunks after a cached prefix (a question over a cached document, a later
 chunk of a long prompt): the default launch against key splits, tile rows and keys per iteration.
 
+``--tree``: a draft tree's verify step at batch 1 (a root and 24 or 12 nodes of random parents, the tree's mask), the
+default launch against key splits, tile rows, keys per iteration and warps, beside a chain's 1 + 4 queries.
+
 ``--sweep``: the Triton kernel's launch choices instead (key splits, keys per inner iteration, warps) for each
 shape, query count and context, with block tables as wide as the engine's graph layouts make them (a power of
 two of at least 256 positions), each timed as 30 calls inside one CUDA graph (a step's layers), per call.
@@ -29,6 +32,7 @@ from triton.testing import do_bench
 from specserve.bench import steps
 from specserve.kernels.attention import (build_mask, flex_block_mask, paged_attention_flex, paged_attention_sdpa,
                                          paged_attention_triton)
+from specserve.speculative.tree import tree_layout
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.1-8b": (32, 8, 128)}
 # --prefill: (shape, rows, prompt tokens a row)
@@ -192,6 +196,52 @@ def cached_sweep(json_path: str | None) -> None:
     dump(json_path, rows)
 
 
+def tree_sweep(json_path: str | None) -> None:
+    """A draft tree's verify attention at batch 1 (random parents, the engine's graph table widths): the default
+    launch, the chain's 1 + 4 queries at the same context, and the launch choices, checked against SDPA with the
+    tree's mask."""
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for nodes in (24, 12):
+        for context in (256, 512, 1024):
+            q = nodes + 1
+            width = max(16, 1 << (-(-(context + 8) // 16) - 1).bit_length())  # the engine's graph table width
+            x, kc, vc, tables, qidx, qpos, scale = case("smollm2-135m", 1, q, width * 16 - 8)
+            qpos = qpos - (width * 16 - 8 - context)
+            parents = [int(torch.randint(0, c, (1,), generator=g)) for c in range(1, q)]
+            bits = tree_layout(parents)[1]  # the queries' positions stay their columns' (their keys' slots)
+            tree = dict(tree_bits=torch.tensor([bits], device="cuda"), tree_base=qpos[:, 0].clone())
+            ref = paged_attention_sdpa(x, kc, vc, tables, qidx, qpos, scale,
+                                       mask=build_mask(qpos, tables.shape[1] * 16, None, **tree))
+            chain = case("smollm2-135m", 1, 5, width * 16 - 8)
+            res = dict(nodes=nodes, context=context, keys=width * 16,
+                       default_us=checked_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale,
+                                                                            **tree), ref, f"tree {q} default"),
+                       chain_us=graph_us(lambda: paged_attention_triton(*chain)))
+            variants = {}
+            for splits in (1, 2, 4, 8):
+                for bm in (16, 32, 64):
+                    for bn in (32, 64, 128):
+                        for warps in (4, 8):
+                            if bn * splits > width * 16:
+                                continue
+
+                            def fn(s=splits, m=bm, b=bn, w=warps):
+                                return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
+                                                              block_m=m, block_n=b, num_warps=w, **tree)
+                            label = f"s{splits}-m{bm}-n{bn}-w{warps}"
+                            try:
+                                fn()
+                            except Exception as e:  # e.g. out of shared memory for a wide tile
+                                print(f"  skip {label}: {type(e).__name__}", flush=True)
+                                continue
+                            variants[label] = checked_us(fn, ref, f"tree {q} ctx={context} {label}")
+            top = keep_best(res, variants, rows)
+            print(f"tree of {nodes:>2} nodes ctx={context:>5} keys={width * 16:>5}  default {res['default_us']:6.2f} us"
+                  f"  chain {res['chain_us']:6.2f}  best " + top, flush=True)
+    dump(json_path, rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flex-configs", type=int, default=8, help="how many configurations also time Flex (compiles)")
@@ -201,7 +251,11 @@ def main() -> None:
                    help="time the Triton kernel's launch choices for prompt chunks, beside dense causal SDPA")
     p.add_argument("--cached", action="store_true",
                    help="time the Triton kernel's launch choices for prompt chunks after a cached prefix")
+    p.add_argument("--tree", action="store_true",
+                   help="time the Triton kernel's launch choices for a draft tree's verify step")
     a = p.parse_args()
+    if a.tree:
+        return tree_sweep(a.json)
     if a.cached:
         return cached_sweep(a.json)
     if a.sweep:
