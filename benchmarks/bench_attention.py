@@ -203,7 +203,7 @@ def tree_sweep(json_path: str | None) -> None:
     rows = []
     g = torch.Generator().manual_seed(0)
     for nodes in (24, 12):
-        for context in (256, 512, 1024):
+        for context in (256, 1024):
             q = nodes + 1
             width = max(16, 1 << (-(-(context + 8) // 16) - 1).bit_length())  # the engine's graph table width
             x, kc, vc, tables, qidx, qpos, scale = case("smollm2-135m", 1, q, width * 16 - 8)

@@ -94,7 +94,7 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   cachedattn   bench_attention.py --cached: the same for prompt chunks after a cached prefix (64 queries over a
                6,144-token document, a 512-token chunk after 2,048); 200 s
   treeattn     bench_attention.py --tree: a draft tree's verify attention at batch 1 (24 and 12 nodes, contexts
-               256-1,024) beside a chain's 1 + 4 queries, with the launch choices; 150 s
+               256 and 1,024) beside a chain's 1 + 4 queries, with the launch choices; 150 s
  training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
   regen-gpteacher  the 2,118 greedy GPTeacher responses runs 8-10 trained on (706 prompts held out), or the
                carried .traindata/gpteacher-2118.pt (that file from git history, see TRAINING.md)
