@@ -23,6 +23,7 @@ two of at least 256 positions), each timed as 30 calls inside one CUDA graph (a 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -89,6 +90,28 @@ def keep_best(res: dict, variants: dict[str, float], rows: list) -> str:
     return "  ".join(f"{k} {variants[k]:.2f}" for k in sorted(variants, key=variants.get)[:4])
 
 
+def launch_variants(args: tuple, ref: torch.Tensor, what: str, splits: tuple, block_ms: tuple, block_ns: tuple,
+                    keys: int | None = None, **kw) -> dict[str, float]:
+    """``paged_attention_triton(*args, **kw)``'s time per call (``checked_us`` against ``ref``) for each key split
+    count, tile rows, keys per iteration and 4 or 8 warps, by label; a launch that fails (out of shared memory
+    for a wide tile) is skipped, as is one whose splits of that many keys would pass ``keys`` table positions."""
+    out = {}
+    for s, m, b, w in itertools.product(splits, block_ms, block_ns, (4, 8)):
+        if keys is not None and b * s > keys:
+            continue
+
+        def fn(s=s, m=m, b=b, w=w):
+            return paged_attention_triton(*args, num_splits=s, block_m=m, block_n=b, num_warps=w, **kw)
+        label = f"s{s}-m{m}-n{b}-w{w}"
+        try:
+            fn()
+        except Exception as e:  # e.g. out of shared memory for a wide tile
+            print(f"  skip {label}: {type(e).__name__}", flush=True)
+            continue
+        out[label] = checked_us(fn, ref, f"{what} {label}")
+    return out
+
+
 def dump(json_path: str | None, rows: list) -> None:
     if json_path:
         with open(json_path, "w") as f:
@@ -148,21 +171,8 @@ def prefill_sweep(json_path: str | None) -> None:
         v = vc[tables].view(batch, -1, hkv, d)[:, :q].repeat_interleave(hq // hkv, 2).transpose(1, 2).contiguous()
         qd = x.view(batch, q, hq, d).transpose(1, 2).contiguous()
         res["sdpa_dense_us"] = graph_us(lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=scale))
-        variants = {}
-        for splits in (1, 4, 8):
-            for bm in (64, 128):
-                for bn in (32, 64):
-                    for warps in (4, 8):
-                        def fn(s=splits, m=bm, b=bn, w=warps):
-                            return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
-                                                          block_m=m, block_n=b, num_warps=w)
-                        label = f"s{splits}-m{bm}-n{bn}-w{warps}"
-                        try:
-                            fn()
-                        except Exception as e:  # e.g. out of shared memory for a wide tile
-                            print(f"  skip {label}: {type(e).__name__}", flush=True)
-                            continue
-                        variants[label] = checked_us(fn, ref, f"{shape} B={batch} q={q} {label}")
+        variants = launch_variants((x, kc, vc, tables, qidx, qpos, scale), ref, f"{shape} B={batch} q={q}",
+                                   (1, 4, 8), (64, 128), (32, 64))
         top = keep_best(res, variants, rows)
         print(f"{shape:<13} B={batch} q={q:>5}  default {res['default_us']:7.2f} us  sdpa dense "
               f"{res['sdpa_dense_us']:7.2f}  best " + top, flush=True)
@@ -213,29 +223,14 @@ def tree_sweep(json_path: str | None) -> None:
             tree = dict(tree_bits=torch.tensor([bits], device="cuda"), tree_base=qpos[:, 0].clone())
             ref = paged_attention_sdpa(x, kc, vc, tables, qidx, qpos, scale,
                                        mask=build_mask(qpos, tables.shape[1] * 16, None, **tree))
-            chain = case("smollm2-135m", 1, 5, width * 16 - 8)
+            chain = list(case("smollm2-135m", 1, 5, width * 16 - 8))
+            chain[5] = chain[5] - (width * 16 - 8 - context)  # its queries end where the tree's do
             res = dict(nodes=nodes, context=context, keys=width * 16,
                        default_us=checked_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale,
                                                                             **tree), ref, f"tree {q} default"),
                        chain_us=graph_us(lambda: paged_attention_triton(*chain)))
-            variants = {}
-            for splits in (1, 2, 4, 8):
-                for bm in (16, 32, 64):
-                    for bn in (32, 64, 128):
-                        for warps in (4, 8):
-                            if bn * splits > width * 16:
-                                continue
-
-                            def fn(s=splits, m=bm, b=bn, w=warps):
-                                return paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale, num_splits=s,
-                                                              block_m=m, block_n=b, num_warps=w, **tree)
-                            label = f"s{splits}-m{bm}-n{bn}-w{warps}"
-                            try:
-                                fn()
-                            except Exception as e:  # e.g. out of shared memory for a wide tile
-                                print(f"  skip {label}: {type(e).__name__}", flush=True)
-                                continue
-                            variants[label] = checked_us(fn, ref, f"tree {q} ctx={context} {label}")
+            variants = launch_variants((x, kc, vc, tables, qidx, qpos, scale), ref, f"tree {q} ctx={context}",
+                                       (1, 2, 4, 8), (16, 32, 64), (32, 64, 128), keys=width * 16, **tree)
             top = keep_best(res, variants, rows)
             print(f"tree of {nodes:>2} nodes ctx={context:>5} keys={width * 16:>5}  default {res['default_us']:6.2f} us"
                   f"  chain {res['chain_us']:6.2f}  best " + top, flush=True)
