@@ -219,6 +219,31 @@ def test_a_head_that_never_accepts_stops_drafting(dirs, reference):
         assert last[0] == expect, llm.engine.spec_stats.draft_len_history
 
 
+def test_the_policy_keeps_its_acceptance_counts_when_the_reported_ones_are_reset(dirs, reference):
+    """``bench`` resets the engine's reported counts before each timed run: the draft length's choice counts the
+    engine's acceptance itself, so an engine that learnt its head accepts nothing starts the next run at D = 0
+    instead of drafting again from the optimistic prior."""
+    from specserve.core.metrics import SpecStats
+
+    prompts, ref, refs = reference
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
+    policy = llm.engine.draft_policy
+    policy.costs = StepCosts([8], [[1.0, 1.3, 1.6, 1.9]])
+    llm.engine.runner.speculator.drafter.head = OracleHead(refs, llm.engine.model_config.vocab_size, 0).bind(
+        llm.engine.model)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    first = llm.engine.spec_stats
+    assert first.num_drafted > 0 and first.num_accepted == 0
+    assert (policy.counts.num_drafted, policy.counts.num_accepted) == (first.num_drafted, 0)
+    llm.engine.spec_stats = SpecStats()
+    policy.probe_after = 10 ** 6  # no probe in the second run (a choice of D > 0 resets the wait)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    # no step of the second run proposes drafts
+    assert llm.engine.spec_stats.steps_by_draft_len[1:] in ([], [0] * 3), llm.engine.spec_stats.draft_len_history
+    assert policy.counts.num_drafted == first.num_drafted
+
+
 def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, monkeypatch):
     """The runner tells the policy which D have their step's graph (without capture, as here and under
     enforce_eager, the layouts run: the same choices as with capture): with a capture made to cost more than any

@@ -35,9 +35,11 @@ def test_the_schedule_follows_tensorrt_llm():
 def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
     gate = AcceptanceGate(window=3, threshold=0.5)
     p = DraftLenPolicy(3, gate=gate)
+    def row(drafts, accepted):  # a collected row (``LLMEngine.Collected``'s fields)
+        return SimpleNamespace(num_drafts=drafts, num_accepted=accepted, appended=[0] * (accepted + 1), depth=None)
+
     def step(drafted, accepted):  # a collected step of two rows: the gate sums them
-        p.observe([SimpleNamespace(num_drafts=drafted - drafted // 2, num_accepted=accepted - accepted // 2),
-                   SimpleNamespace(num_drafts=drafted // 2, num_accepted=accepted // 2)])
+        p.observe([row(drafted - drafted // 2, accepted - accepted // 2), row(drafted // 2, accepted // 2)])
 
     for drafted, accepted in ((3, 3), (3, 0), (0, 0), (3, 2)):  # 5 of 9 over the window: open
         step(drafted, accepted)
@@ -47,6 +49,8 @@ def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
     for _ in range(5):
         step(3, 3)  # a closed gate draws nothing, so nothing reopens it
     assert p.choose([_Req([], [])]) == 0
+    # the policy counted every row that verified drafts (the prior of the adaptive rule)
+    assert (p.counts.num_drafted, p.counts.num_accepted) == (3 + 3 + 3 + 3 + 15, 3 + 2 + 15)
 
 
 def test_expected_tokens_blend_own_acceptance_with_the_engines():

@@ -8,7 +8,6 @@ import gc
 import itertools
 import logging
 import random
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -131,11 +130,9 @@ class LLMEngine:
         self._in_flight = None  # the step launched and not yet collected (``async_output``)
         self._error: Exception | None = None  # a failed launch after a collected step, raised by the next step()
         self.spec_stats = SpecStats()
-        # the draft length of each step (``speculative/draft_len.py``): its acceptance prior is the engine's counts
+        # the draft length of each step (``speculative/draft_len.py``), which counts the engine's acceptance itself
         self.draft_policy = speculator.policy if speculator is not None else None
         if self.draft_policy is not None:
-            engine = weakref.ref(self)  # not a cycle: a dropped engine is freed at once, its device memory with it
-            self.draft_policy.prior = lambda: engine().spec_stats
             self.draft_policy.timed = not self.tp.active  # ranks' clocks differ; their choices must not
             options = speculator.cost_options(self.runner.graphs is not None)
             if options:  # rank 0's measurement: every rank chooses alike
@@ -414,8 +411,9 @@ class LLMEngine:
                 depth: int | None = None) -> RequestOutput | None:
         """A collected step's output for one request: its text (unless stop strings detokenized it already) and
         statistics; None for a ``FINAL_ONLY`` request that goes on (its text is decoded once, when it ends)."""
-        req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
-        self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        if num_drafts > 0:  # (a step that verified nothing counts nothing: at D = 0 every row of every step)
+            req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+            self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
         self.num_generated_tokens += len(appended)
         ended = req.finished if req.family is None else req.family.finished
         if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.finished:

@@ -307,8 +307,11 @@ class DraftLenPolicy:
         # and each rank's clock differs
         self.timed = True
         self.periods = StepPeriods()
-        empty = SpecStats()
-        self.prior = prior or (lambda: empty)  # the engine's counts (the object may be replaced: read at each step)
+        # the engine's acceptance, counted here from every collected step (``observe``) rather than read from the
+        # engine's reported counts, which a caller may reset (``bench`` does before each timed run): an engine that
+        # had learnt its head accepts nothing would start each run optimistic again, drafting 4 and probing
+        self.counts = SpecStats()
+        self.prior = prior or (lambda: self.counts)
 
     @property
     def costs(self) -> StepCosts | None:
@@ -399,7 +402,12 @@ class DraftLenPolicy:
         return tokens
 
     def observe(self, rows: list) -> None:
-        """A collected step's rows (each with ``num_drafts`` verified and ``num_accepted``): the gate's counts."""
+        """A collected step's rows (each with ``num_drafts`` verified, ``num_accepted``, ``appended`` and
+        ``depth``): the engine's counts (the prior) and the gate's."""
+        counts = self.counts
+        for r in rows:
+            if r.num_drafts > 0:
+                counts.record(r.num_drafts, r.num_accepted, len(r.appended), r.depth)
         if self.gate is not None:
             self.gate.observe(sum(r.num_drafts for r in rows), sum(r.num_accepted for r in rows))
 
