@@ -13,7 +13,8 @@ timed eagerly (triton.testing.do_bench) and its row says so.
 chunk of a long prompt): the default launch against key splits, tile rows and keys per iteration.
 
 ``--tree``: a draft tree's verify step at batch 1 (a root and 24 or 12 nodes of random parents, the tree's mask), the
-default launch against key splits, tile rows, keys per iteration and warps, beside a chain's 1 + 4 queries.
+default launch against key splits, tile rows, keys per iteration and warps, beside a chain's 1 + 4 queries
+(``--default-only``: the default launch and the chain alone).
 
 ``--sweep``: the Triton kernel's launch choices instead (key splits, keys per inner iteration, warps) for each
 shape, query count and context, with block tables as wide as the engine's graph layouts make them (a power of
@@ -206,7 +207,7 @@ def cached_sweep(json_path: str | None) -> None:
     dump(json_path, rows)
 
 
-def tree_sweep(json_path: str | None) -> None:
+def tree_sweep(json_path: str | None, variants_too: bool = True) -> None:
     """A draft tree's verify attention at batch 1 (random parents, the engine's graph table widths): the default
     launch, the chain's 1 + 4 queries at the same context, and the launch choices, checked against SDPA with the
     tree's mask."""
@@ -229,6 +230,11 @@ def tree_sweep(json_path: str | None) -> None:
                        default_us=checked_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale,
                                                                             **tree), ref, f"tree {q} default"),
                        chain_us=graph_us(lambda: paged_attention_triton(*chain)))
+            if not variants_too:
+                rows.append(res)
+                print(f"tree of {nodes:>2} nodes ctx={context:>5} keys={width * 16:>5}  default "
+                      f"{res['default_us']:6.2f} us  chain {res['chain_us']:6.2f}", flush=True)
+                continue
             variants = launch_variants((x, kc, vc, tables, qidx, qpos, scale), ref, f"tree {q} ctx={context}",
                                        (1, 2, 4, 8), (16, 32, 64), (32, 64, 128), keys=width * 16, **tree)
             top = keep_best(res, variants, rows)
@@ -248,9 +254,10 @@ def main() -> None:
                    help="time the Triton kernel's launch choices for prompt chunks after a cached prefix")
     p.add_argument("--tree", action="store_true",
                    help="time the Triton kernel's launch choices for a draft tree's verify step")
+    p.add_argument("--default-only", action="store_true", help="with --tree: the default launch and the chain only")
     a = p.parse_args()
     if a.tree:
-        return tree_sweep(a.json)
+        return tree_sweep(a.json, not a.default_only)
     if a.cached:
         return cached_sweep(a.json)
     if a.sweep:

@@ -94,7 +94,7 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   cachedattn   bench_attention.py --cached: the same for prompt chunks after a cached prefix (64 queries over a
                6,144-token document, a 512-token chunk after 2,048); 200 s
   treeattn     bench_attention.py --tree: a draft tree's verify attention at batch 1 (24 and 12 nodes, contexts
-               256 and 1,024) beside a chain's 1 + 4 queries, with the launch choices; 150 s
+               256 and 1,024) beside a chain's 1 + 4 queries, with the launch choices (QUICK=1: without); 150 s
  training (the target is /root/model.gguf; prompt files in .traindata/; data files in /root/regen-NAME/)
   regen-gpteacher  the 2,118 greedy GPTeacher responses runs 8-10 trained on (706 prompts held out), or the
                carried .traindata/gpteacher-2118.pt (that file from git history, see TRAINING.md)
@@ -351,8 +351,8 @@ for st in "$@"; do
                  | grep -v Warning | tail -20 ;;
     cachedattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --cached --json $OUT/cachedattn.json \
                   2>&1 | grep -v Warning | tail -20 ;;
-    treeattn) timeout "$(lim 150)" python3 benchmarks/bench_attention.py --tree --json $OUT/treeattn.json \
-                2>&1 | grep -v Warning | tail -20 ;;
+    treeattn) timeout "$(lim 150)" python3 benchmarks/bench_attention.py --tree ${QUICK:+--default-only} \
+                --json $OUT/treeattn.json 2>&1 | grep -v Warning | tail -20 ;;
     prefillattn) timeout "$(lim 200)" python3 benchmarks/bench_attention.py --prefill --json $OUT/prefillattn.json \
                    2>&1 | grep -v Warning | tail -20 ;;
     regen-gpteacher) if [ -f $D/gpteacher-2118.pt ]; then
