@@ -278,7 +278,7 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     """A request whose first drafts were unlucky gets D = 0, and at D = 0 it verifies nothing: after
     ``PROBE_AFTER`` steps one step drafts (the best D > 0), then D = 0 again while the evidence holds, each probe
     that changed nothing doubling the wait (up to ``PROBE_MAX``); once drafting pays again the wait starts over. A
-    probe keeps to a D whose step has its graph, where one has."""
+    probe keeps to a D whose step has its graph (waiting for a step that has one, up to ``PROBE_MAX`` steps)."""
     from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
 
     costs = StepCosts([1], [[0.49e-3, 0.64e-3, 0.65e-3, 0.70e-3, 0.69e-3]])
@@ -297,10 +297,17 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
         p.zero_run = p.probe_after
         assert p.choose([unlucky], generation=True) > 0
     assert p.probe_after == PROBE_MAX
-    # a probe takes the best D > 0 among those whose step has its graph, where one has; else the best
+    # a probe takes the best D > 0 among those whose step has its graph; where none has, it waits for a step that
+    # has one, until the wait reaches PROBE_MAX, and then takes the best
     p.zero_run = p.probe_after
     assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d in (0, 3))) == 3
-    p.zero_run = p.probe_after
+    p.probe_after = p.zero_run = PROBE_AFTER
+    for _ in range(3):
+        assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d == 0)) == 0
+    assert p.zero_run == PROBE_AFTER + 3
+    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d in (0, 1))) == 1
+    assert p.zero_run == 0 and p.probe_after == 2 * PROBE_AFTER
+    p.zero_run = PROBE_MAX
     assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d == 0)) == 2
     tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)
     rate = {d: tokens[d] / seconds[d] for d in (1, 3, 4)}

@@ -372,15 +372,16 @@ class DraftLenPolicy:
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
                 self.probe_after = PROBE_AFTER
-            # a probe: the best D > 0 for this step only (``PROBE_AFTER``), among those with a graph where one has;
-            # ``last`` keeps 0
+            # a probe: the best D > 0 for this step only (``PROBE_AFTER``), among those whose step has its graph;
+            # where none has, the probe waits for a step that has one (a capture, about 0.1 s, would cost a short
+            # run more than the probe can find), until the wait reaches PROBE_MAX steps. ``last`` keeps 0
             rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1, len(tokens) - 1) + 1)]
-            if self.zero_run >= self.probe_after and rates:
+            have = [k for k in range(1, len(rates) + 1) if captured is None or captured.has(k)] \
+                if self.zero_run >= self.probe_after else []
+            if have or (rates and self.zero_run >= PROBE_MAX):
                 self.zero_run = 0
                 self.probe_after = min(2 * self.probe_after, PROBE_MAX)
-                have = [k for k in range(1, len(rates) + 1) if captured is not None and captured.has(k)] or \
-                    range(1, len(rates) + 1)
-                d = max(have, key=lambda k: (rates[k - 1], -k))
+                d = max(have or range(1, len(rates) + 1), key=lambda k: (rates[k - 1], -k))
             else:
                 d = self.last = best
         else:
