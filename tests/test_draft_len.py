@@ -212,6 +212,7 @@ def test_a_head_that_never_accepts_stops_drafting(dirs, reference):
     for right, expect in ((0, 0), (3, 3)):
         llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
         llm.engine.draft_policy.costs = StepCosts([8], [[1.0, 1.3, 1.6, 1.9]])
+        llm.engine.draft_policy.timed = False  # the costs as given (observed periods would move them to this CPU's)
         head = OracleHead(refs, llm.engine.model_config.vocab_size, right).bind(llm.engine.model)
         llm.engine.runner.speculator.drafter.head = head
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
@@ -230,6 +231,7 @@ def test_the_policy_keeps_its_acceptance_counts_when_the_reported_ones_are_reset
     llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
     policy = llm.engine.draft_policy
     policy.costs = StepCosts([8], [[1.0, 1.3, 1.6, 1.9]])
+    policy.timed = False  # the costs as given
     llm.engine.runner.speculator.drafter.head = OracleHead(refs, llm.engine.model_config.vocab_size, 0).bind(
         llm.engine.model)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref

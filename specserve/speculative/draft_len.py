@@ -81,11 +81,13 @@ CAPTURE_SECONDS = 0.1
 # evidence there is (probes correct a request's own unlucky counts, which the engine's would not)
 PROBE_AFTER = 32
 PROBE_MAX = 1024
-# while a batch's rows stay the same, its expected tokens are computed again at most every REUSE_STEPS steps as its
-# counts move (at D = 0 they do not move, and are reused for good): building them costs the host about 1 us a row
-# (131 us at 128 rows on this project's CPU, some 4% of a 2.1 ms step there), and a few steps' more counts move
-# estimates blended over tens of steps by little
+# while a batch's rows stay the same and the engine's verify steps since its expected tokens were computed are at
+# most REUSE_SHARE of those they counted, the tokens are computed again at most every REUSE_STEPS steps (at D = 0 no
+# count moves, and they are reused for good): building them costs the host about 1 us a row (131 us at 128 rows on
+# this project's CPU, some 4% of a 2.1 ms step there), and once there is evidence a few steps' more move estimates
+# blended over tens of steps by little (the first steps, where evidence is thin, compute them every step)
 REUSE_STEPS = 8
+REUSE_SHARE = 1 / 8
 
 
 @dataclass
@@ -398,13 +400,15 @@ class DraftLenPolicy:
 
     def _expected_tokens(self, stats: list[SpecStats]) -> np.ndarray:
         """``expected_tokens`` for these rows, reused while the rows are the same and either the engine's counts
-        (which every request's verification adds to) did not change or fewer than ``REUSE_STEPS`` steps passed."""
+        (which every request's verification adds to) did not change or they moved little, for fewer than
+        ``REUSE_STEPS`` steps (``REUSE_SHARE``)."""
         prior = self.prior()
         counts = (prior.num_verify_steps, prior.num_drafted, prior.num_accepted)
         memo = self._tokens_memo
         # the memo holds the rows' objects: their ids are not reused
         if memo is not None and len(memo.stats) == len(stats) and all(map(operator.is_, memo.stats, stats)) and (
-                memo.counts == counts or memo.reused < REUSE_STEPS - 1):
+                memo.counts == counts or (memo.reused < REUSE_STEPS - 1
+                                          and counts[0] - memo.counts[0] <= REUSE_SHARE * memo.counts[0])):
             memo.reused += 1
             return memo.tokens
         tokens = expected_tokens(stats, prior, self.max_draft_len)
