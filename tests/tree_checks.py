@@ -42,6 +42,19 @@ def check_tree_accept(device, dtype):
         for name, x, y in zip(("accepted", "path", "emitted"), got, (ref.accepted, ref.path, ref.emitted)):
             assert torch.equal(x, y), f"tree accept {name}, N={n} D={d}"
         assert int(ref.accepted.max()) >= min(d, 2), "the check should reach deep paths"
+    # a chain's layout (N = D columns) whose rows continue a tree step in flight count that tree's nodes (more than
+    # the layout's columns), and a padding row holds a stale parent: the kernel reads only its own row's columns
+    # and parents that precede their node. Reading past a row's columns fed the stale value to the argmax's index
+    # (an illegal address on the GPU at 16 rows; a crash of Triton's interpreter)
+    n = d = 6
+    parents = torch.arange(n).repeat(3, 1)  # chains
+    argmax = torch.randint(0, 50, (3, n + 1), generator=g)
+    nodes = argmax[:, :n].clone()  # every node matches
+    parents[1, 0] = 1 << 40  # just past row 0's columns
+    num, can = torch.tensor([24, 24, 24]), torch.tensor([True, False, True])
+    got = tree_greedy_accept(*[x.to(device) for x in (argmax, nodes, parents, num, can)], d)
+    assert got is not None and got[0].tolist() == [6, 0, 6], got[0]
+    assert torch.equal(got[2].cpu(), torch.stack([argmax[0], torch.tensor([int(argmax[1, 0])] + [0] * n), argmax[2]]))
 
 
 @kernel_check

@@ -93,6 +93,7 @@ if HAVE_TRITON:
         """Whether node column ``col`` [BN] (>= 1) is a valid node whose token is the argmax at its parent."""
         live = (col >= 1) & (col <= nn) & can
         par = tl.load(PARENTS + row * N + col - 1, mask=live, other=0)
+        live = live & (par >= 0) & (par < col)  # a parent precedes its node (a stale one reads nothing)
         tok = tl.load(NODES + row * N + col - 1, mask=live, other=-1)
         tgt = tl.load(ARGMAX + row * (N + 1) + par, mask=live, other=-2)
         return live & (tok == tgt)
@@ -104,7 +105,7 @@ if HAVE_TRITON:
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.arange(0, BN).to(tl.int64)  # [BN] columns: 0 the root, 1..N the nodes
-        nn = tl.load(NUM + row)
+        nn = tl.minimum(tl.load(NUM + row), N)
         can = tl.load(CAN + row) != 0
         # ok: every node from the column up to the root matches; dep: the column's depth
         ok = col <= N
@@ -124,7 +125,7 @@ if HAVE_TRITON:
         b = best
         for _ in range(D):
             on = on | ((col == b) & (b >= 1))
-            b = tl.load(PARENTS + row * N + b - 1, mask=b >= 1, other=0)
+            b = tl.load(PARENTS + row * N + b - 1, mask=(b >= 1) & (b <= N), other=0)
         tok = tl.load(NODES + row * N + col - 1, mask=(col >= 1) & (col <= N), other=0)
         j = tl.arange(0, BE).to(tl.int64)  # [BE] depth index: path[j] is the node at depth j + 1
         sel = on[None, :] & (dep[None, :] == j[:, None] + 1)  # [BE, BN]
