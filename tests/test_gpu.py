@@ -161,3 +161,27 @@ def test_cuda_draft_trees_are_lossless_with_graphs_and_overlap(tmp_path_factory)
         assert costs.buckets == [1, 2, 4, 6] and all(len(s) == 2 and min(s) > 0 for s in costs.seconds)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
         assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+def test_cuda_draft_trees_of_24_nodes_at_32_rows_under_overlap(tmp_path_factory):
+    """The stage-`trees` shape (top-4 x depth 6, 24 nodes) at 16 and 32 rows with the overlap scheduler and every
+    step's kind chosen by measured cost (chains and trees in turn, rows continuing either): plain greedy's tokens
+    and no device fault. (At these sizes the tree acceptance kernel once read past a row's columns: an illegal
+    address on the H100.)"""
+    from tiny_models import make_head
+
+    d = tmp_path_factory.mktemp("tree_gpu_32")
+    make_hf_model(d / "t", "llama", initializer_range=0.4, num_hidden_layers=4)
+    make_head(d / "h", d / "t", "eagle3", draft_vocab=150)
+    prompts = [p + " " * i for i in range(8) for p in PROMPTS]  # 32 prompts
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 27, max_num_seqs=32)
+    plain = [o.token_ids for o in LLM(str(d / "t"), **common).generate(prompts, sp)]
+    spec = dict(method="eagle3", draft_model=str(d / "h"), max_draft_len=6, topk=4, max_total_draft_tokens=24)
+    llm = LLM(str(d / "t"), speculative_config=spec, overlap_scheduler=True, **common)
+    for rows in (16, 32):
+        llm.engine.scheduler.cfg.max_num_seqs = rows
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == plain, rows
+    torch.cuda.synchronize()
+    assert llm.engine.spec_stats.num_verify_steps > 0
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
