@@ -129,8 +129,8 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     most as many splits as that merge takes). A train-draft regeneration's prefill of 137 prompts of up to 3,114
     tokens asked the H200 for 45.7 GiB of them."""
     from specserve.kernels import gemv
-    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SHORT_SPLIT, SPLIT, default_splits,
-                                             launch_shape, partial_bytes, query_tiling)
+    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SHORT_SPLIT, SPLIT, TREE_MIN_SPLITS,
+                                             default_splits, launch_shape, partial_bytes, query_tiling)
 
     def splits(rows: int, qw: int, hq: int, hkv: int, head_d: int, keys: int) -> int:
         return launch_shape(rows, qw, hq // hkv, hkv, head_d, keys)[3]  # as paged_attention_triton launches
@@ -154,6 +154,14 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     assert launch_shape(1, 1 + 4, 3, 3, 64, 512, split_short=True) == launch_shape(1, 1 + 4, 3, 3, 64, 512)
     assert launch_shape(1, 1, 3, 3, 64, 176, split_short=True)[3] == 3  # a packed step's table: 64-key splits
     assert ONE_SPLIT_KEYS // SHORT_SPLIT <= gemv.MERGE_MAX_SPLITS  # the o projection merges every short split
+    # a draft tree's verify rows (24 nodes + the root, the tree mask): 16-row tiles, at least 8 splits past 256
+    # positions, which the o projection still merges; its prompt chunks keep 64-row tiles
+    assert launch_shape(1, 25, 3, 3, 64, 512, split_short=True, tree=True) == (16, 5, 5, TREE_MIN_SPLITS)
+    assert launch_shape(1, 25, 3, 3, 64, 512, split_short=True) == (64, 21, 2, 4)
+    assert launch_shape(1, 25, 3, 3, 64, 256, split_short=True, tree=True)[:3] == (16, 5, 5)
+    assert launch_shape(1, 512, 3, 3, 64, 1024, tree=True) == launch_shape(1, 512, 3, 3, 64, 1024)
+    assert launch_shape(1, 25, 3, 3, 64, 512, tree=True, block_m=64) == launch_shape(1, 25, 3, 3, 64, 512)
+    assert TREE_MIN_SPLITS <= gemv.MERGE_MAX_SPLITS
     tile = partial_bytes(16, 64)
     assert default_splits(1024, MAX_PARTIALS // (4 * tile), tile) == 4
     assert default_splits(1024, MAX_PARTIALS // (4 * tile) + 1, tile) == 1

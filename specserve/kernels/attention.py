@@ -59,13 +59,16 @@ MAX_PARTIALS = 1 << 30
 # rounds of loads)
 MERGE_ROWS = 16
 MERGE_ELEMENTS = 8192
-# A draft tree's verify step (batch 1, 25 queries x 3 query heads a KV head: 75 tile rows, two 64-row tiles by the
-# rule above, 4 splits over 512 positions) runs in 16-row tiles of 8 warps and at least 8 splits where it splits:
-# on one H100 (bf16, 24 nodes, ``bench_attention.py --tree``) 6.2 us against 9.8 over 512 table positions and 8.7
-# against 15.2 over 2,048; more programs walk the keys side by side.
+# A draft tree's verify step (rows of at most TREE_VERIFY_QUERIES queries, the root and its nodes; at batch 1 and
+# the default model's 3 query heads a KV head a 24-node tree is 75 tile rows, two 64-row tiles by the rule above,
+# with 4 splits over 512 positions) runs in 16-row tiles of 8 warps and at least 8 splits where it splits: on one
+# H100 (bf16, ``bench_attention.py --tree``) 5.7 us against 9.8 over 512 table positions and 9.0 against 15.2 over
+# 2,048 (a sweep's best); more programs walk the keys side by side. A tree engine's prompt chunks (hundreds of
+# queries a row, with the tree mask's bits too) keep the rule above.
 TREE_BLOCK_M = 16
 TREE_WARPS = 8
-TREE_MIN_SPLITS = 8
+TREE_MIN_SPLITS = 8  # at most gemv.MERGE_MAX_SPLITS: the o projection still merges them (a test checks)
+TREE_VERIFY_QUERIES = 64  # the most a tree's verify row takes (the acceptance kernel's limit)
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -97,15 +100,25 @@ def partial_bytes(block_m: int, head_d: int) -> int:
     return 4 * block_m * (head_d + 2)
 
 
-def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int,
-                 split_short: bool = False, block_m: int | None = None) -> tuple[int, int, int, int]:
+def tree_verify_tiles(qw: int, g: int, tree: bool, block_m: int | None) -> bool:
+    """Whether a step takes a draft tree's verify launch (``TREE_BLOCK_M``): rows with the tree mask of at most
+    ``TREE_VERIFY_QUERIES`` queries, where no tile rows are asked for."""
+    return tree and block_m is None and qw <= TREE_VERIFY_QUERIES and g <= TREE_BLOCK_M
+
+
+def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int, split_short: bool = False,
+                 block_m: int | None = None, tree: bool = False) -> tuple[int, int, int, int]:
     """A step of ``rows`` rows of ``qw`` queries, ``g`` query heads per KV head, ``hkv`` KV heads, head size
     ``head_d`` (a power of two) and ``keys`` table positions -> (query rows of a tile, queries per tile, tiles
     per row, default key splits). ``split_short``: the splits' merge costs no kernel of its own (the o
-    projection merges them), so a short table of a decode or verify step splits too."""
-    block_m, qpt, n_qt = query_tiling(qw, g, block_m)
+    projection merges them), so a short table of a decode or verify step splits too. ``tree``: the rows carry a
+    draft tree's mask (``tree_verify_tiles``)."""
+    tree_tiles = tree_verify_tiles(qw, g, tree, block_m)
+    block_m, qpt, n_qt = query_tiling(qw, g, TREE_BLOCK_M if tree_tiles else block_m)
     splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
                             short=split_short and block_m <= 32)
+    if tree_tiles and keys > ONE_SPLIT_KEYS and splits > 1:
+        splits = max(splits, TREE_MIN_SPLITS)
     return block_m, qpt, n_qt, splits
 
 
@@ -142,15 +155,11 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         tree_bits = tree_bits.contiguous().view(b, qw) if tree else None
     keys = block_tables.shape[1] * page
     head_d = triton.next_power_of_2(d)
-    tree_tiles = tree and block_m is None and g <= TREE_BLOCK_M  # the tree's launch rule (``TREE_BLOCK_M``)
-    if tree_tiles:
-        block_m = TREE_BLOCK_M
-        num_warps = TREE_WARPS if num_warps is None else num_warps
+    if num_warps is None and tree_verify_tiles(qw, g, tree, block_m):
+        num_warps = TREE_WARPS
     # qpt queries per tile, n_qt tiles per row
     block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys,
-                                                   split_short and flat_index is not None, block_m)
-    if tree_tiles and keys > ONE_SPLIT_KEYS and auto_splits > 1:
-        auto_splits = max(auto_splits, TREE_MIN_SPLITS)
+                                                   split_short and flat_index is not None, block_m, tree)
     num_splits = auto_splits if num_splits is None else num_splits
     share = triton.next_power_of_2(triton.cdiv(keys, num_splits))  # a split's keys, as a power of two
     # keys per inner iteration: where the table splits, at most a split's share, so that every split walks keys
