@@ -164,10 +164,9 @@ def test_cuda_draft_trees_are_lossless_with_graphs_and_overlap(tmp_path_factory)
 
 
 def test_cuda_draft_trees_of_24_nodes_at_32_rows_under_overlap(tmp_path_factory):
-    """The stage-`trees` shape (top-4 x depth 6, 24 nodes) at 16 and 32 rows with the overlap scheduler and every
-    step's kind chosen by measured cost (chains and trees in turn, rows continuing either): plain greedy's tokens
-    and no device fault. (At these sizes the tree acceptance kernel once read past a row's columns: an illegal
-    address on the H100.)"""
+    """The stage-`trees` shape (top-4 x depth 6, 24 nodes) at 16 and 32 rows with the overlap scheduler, tree and
+    chain steps in turn (rows continuing either kind): plain greedy's tokens and no device fault. (At these sizes
+    the tree engine reached an illegal address on the H100, with the kind chosen by cost.)"""
     from tiny_models import make_head
 
     d = tmp_path_factory.mktemp("tree_gpu_32")
@@ -179,9 +178,22 @@ def test_cuda_draft_trees_of_24_nodes_at_32_rows_under_overlap(tmp_path_factory)
     plain = [o.token_ids for o in LLM(str(d / "t"), **common).generate(prompts, sp)]
     spec = dict(method="eagle3", draft_model=str(d / "h"), max_draft_len=6, topk=4, max_total_draft_tokens=24)
     llm = LLM(str(d / "t"), speculative_config=spec, overlap_scheduler=True, **common)
+    from specserve.speculative.tree_choice import CHAIN, TREE
+
+    policy, steps = llm.engine.draft_policy, []
+    choose = policy.choose
+
+    def alternate(requests, generation=False):  # two tree steps, then a chain step: rows continue either kind
+        choose(requests, generation)
+        steps.append(1)
+        policy.kind = CHAIN if len(steps) % 3 == 0 else TREE
+        return policy.num_nodes if policy.kind == TREE else policy.draft_len
+
+    policy.choose = alternate
     for rows in (16, 32):
         llm.engine.scheduler.cfg.max_num_seqs = rows
         assert [o.token_ids for o in llm.generate(prompts, sp)] == plain, rows
     torch.cuda.synchronize()
-    assert llm.engine.spec_stats.num_verify_steps > 0
+    by_len = llm.engine.spec_stats.steps_by_draft_len
+    assert by_len[6] > 0 and by_len[24] > 0, by_len  # chain steps (6 drafts) and tree steps (24 nodes)
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable

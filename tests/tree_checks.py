@@ -42,20 +42,27 @@ def check_tree_accept(device, dtype):
         for name, x, y in zip(("accepted", "path", "emitted"), got, (ref.accepted, ref.path, ref.emitted)):
             assert torch.equal(x, y), f"tree accept {name}, N={n} D={d}"
         assert int(ref.accepted.max()) >= min(d, 2), "the check should reach deep paths"
-    # a chain's layout (N = D columns) whose rows continue a tree step in flight count that tree's nodes (more than
-    # the layout's columns), and a padding row holds a stale parent: the kernel reads only its own row's columns
-    # and parents that precede their node. Reading past a row's columns fed the stale value to the argmax's index
-    # (an illegal address on the GPU at 16 rows; a crash of Triton's interpreter)
+    # rows whose node count exceeds the layout's columns, a padding row holding a stale parent just past the first
+    # row's columns, and a row with a parent after its node: the kernel reads only a row's own columns and parents
+    # that precede their node (the old kernel read past a row into the next one's parents and used what it found
+    # as an index into the argmax, which crashes Triton's interpreter; one way a tree engine at 16-32 rows could
+    # have reached an illegal address on the H100)
     n = d = 6
-    parents = torch.arange(n).repeat(3, 1)  # chains
-    argmax = torch.randint(0, 50, (3, n + 1), generator=g)
+    parents = torch.arange(n).repeat(4, 1)  # chains
+    argmax = torch.randint(0, 50, (4, n + 1), generator=g)
     nodes = argmax[:, :n].clone()  # every node matches
-    parents[1, 0] = 1 << 40  # just past row 0's columns
-    num, can = torch.tensor([24, 24, 24]), torch.tensor([True, False, True])
+    parents[1, 0] = 1 << 40
+    parents[3, 2] = 5  # node 3's parent: node 5, after it
+    nodes[3, 2] = argmax[3, 5]  # ... whose token it matches: read as a parent, node 3 would count as accepted
+    num, can = torch.tensor([24, 24, 24, 6]), torch.tensor([True, False, True, True])
     got = tree_greedy_accept(*[x.to(device) for x in (argmax, nodes, parents, num, can)], d)
-    assert got is not None and got[0].tolist() == [6, 0, 6], got[0]
-    assert torch.equal(got[2].cpu(), torch.stack([argmax[0], torch.tensor([int(argmax[1, 0])] + [0] * n), argmax[2]]))
-
+    assert got is not None and got[0].tolist() == [6, 0, 6, 2], got[0]
+    keep = torch.tensor([0, 2])
+    valid = torch.ones(2, n, dtype=torch.bool)
+    ref = accept_greedy_ref(argmax[keep], nodes[keep], parents[keep], valid, d)
+    for x, y in zip(got, (ref.accepted, ref.path, ref.emitted)):
+        assert torch.equal(x[keep.to(device)].cpu(), y), "tree accept: rows that count more nodes than they have"
+    assert got[2][1].tolist() == [int(argmax[1, 0])] + [0] * n and got[2][3].tolist()[:3] == argmax[3, :3].tolist()
 
 @kernel_check
 def check_tree_compact(device, dtype):

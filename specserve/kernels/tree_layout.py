@@ -80,7 +80,7 @@ if HAVE_TRITON:
         acc = tl.full((QP,), 1, tl.int64) << p
         dep = tl.zeros((QP,), dtype=tl.int64)
         for _ in tl.static_range(DEPTH):
-            up = live & (p > 0)
+            up = live & (p > 0) & (p <= N)  # (a stale parent past the row's columns ends the walk: nothing read)
             p = tl.where(up, tl.load(PAR + b * N + p - 1, mask=up, other=0), p)
             acc = acc | tl.where(up, tl.full((QP,), 1, tl.int64) << p, 0)
             dep += up.to(tl.int64)
