@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from specserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from specserve.runner.cuda_graph import CudaGraphs  # noqa: E402
 from specserve.runner.model_runner import Launched, RowResult  # noqa: E402
-from specserve.speculative.draft_len import StepCosts  # noqa: E402
+from specserve.speculative.step_costs import StepCosts  # noqa: E402
 from tiny_models import make_head, make_hf_model  # noqa: E402
 
 

@@ -30,7 +30,7 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.bench.prompts import DEFAULT_PROMPTS
-from specserve.speculative.draft_len import StepCosts
+from specserve.speculative.step_costs import StepCosts
 
 
 class Timers:

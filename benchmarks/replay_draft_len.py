@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
-from specserve.speculative.draft_len import StepCosts, measure_step_costs  # noqa: E402
+from specserve.speculative.step_costs import StepCosts, measure_step_costs  # noqa: E402
 
 
 def measure(model: str, max_rows: int) -> None:

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from specserve import LLM, SamplingParams, SpeculativeConfig
-from specserve.speculative.draft_len import StepCosts
+from specserve.speculative.step_costs import StepCosts
 from accept_helpers import chi2_critical, chi2_homogeneity, make_small_vocab, sample_replies
 from test_overlap import OracleHead, _llm
 from tiny_models import PROMPTS, make_head, make_target_and_eagle3
@@ -181,7 +181,7 @@ def test_adaptive_engine_measures_saves_and_reloads_its_costs(dirs, reference, t
     step launched before the one before is collected) and writes them to its cost file; the next engine reads
     them instead of measuring; outputs stay plain greedy's and the blocks the measurement took go back to the
     pool."""
-    import specserve.speculative.draft_len as draft_len
+    import specserve.speculative.step_costs as step_costs
 
     prompts, ref, refs = reference
     f = tmp_path / "costs.json"
@@ -199,7 +199,7 @@ def test_adaptive_engine_measures_saves_and_reloads_its_costs(dirs, reference, t
     def no_measuring(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(draft_len, "measure_step_costs", no_measuring)
+    monkeypatch.setattr(step_costs, "measure_step_costs", no_measuring)
     again = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=4)
     assert again.engine.draft_policy.costs == costs
 

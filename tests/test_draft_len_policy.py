@@ -15,8 +15,9 @@ import pytest
 
 from specserve.core.metrics import SpecStats
 from specserve.runner.cuda_graph import GraphCheck
-from specserve.speculative.draft_len import (CAPTURE_SECONDS, AcceptanceGate, DraftLenPolicy, StepCosts, best_draft_len,
-                                             cost_buckets, engine_rates, expected_tokens, prefer_captured)
+from specserve.speculative.draft_len import (CAPTURE_SECONDS, AcceptanceGate, DraftLenPolicy, best_draft_len,
+                                             engine_rates, expected_tokens, prefer_captured)
+from specserve.speculative.step_costs import StepCosts, cost_buckets
 
 
 class _Req:
@@ -297,23 +298,28 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
         p.zero_run = p.probe_after
         assert p.choose([unlucky], generation=True) > 0
     assert p.probe_after == PROBE_MAX
-    # a probe takes the best D > 0 among those whose step has its graph; where none has, it waits for a step that
-    # has one, until the wait reaches PROBE_MAX, and then takes the best
+    # a probe takes the best D > 0 among those whose step (a graph step: its layout) has its graph; where none
+    # has, it waits for a step that has one, until the wait reaches PROBE_MAX, and then takes the best; a step that
+    # is no graph step (no layout) captures nothing, and probes on time
+    def graphs(*ds):
+        return GraphCheck(lambda d: d in ds, lambda: (1, 16))
+
     p.zero_run = p.probe_after
-    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d in (0, 3))) == 3
+    assert p.choose([unlucky], generation=True, captured=graphs(0, 3)) == 3
     p.probe_after = p.zero_run = PROBE_AFTER
     for _ in range(3):
-        assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d == 0)) == 0
+        assert p.choose([unlucky], generation=True, captured=graphs(0)) == 0
     assert p.zero_run == PROBE_AFTER + 3
-    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d in (0, 1))) == 1
+    assert p.choose([unlucky], generation=True, captured=graphs(0, 1)) == 1
     assert p.zero_run == 0 and p.probe_after == 2 * PROBE_AFTER
+    p.zero_run = p.probe_after
+    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: False)) == 2  # no graph step
     p.zero_run = PROBE_MAX
-    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: d == 0)) == 2
+    assert p.choose([unlucky], generation=True, captured=graphs(0)) == 2
     tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)
     rate = {d: tokens[d] / seconds[d] for d in (1, 3, 4)}
     p.zero_run = p.probe_after
-    has = GraphCheck(lambda d: d in (1, 3, 4))
-    assert p.choose([unlucky], generation=True, captured=has) == max(rate, key=rate.get)
+    assert p.choose([unlucky], generation=True, captured=graphs(1, 3, 4)) == max(rate, key=rate.get)
     assert len(set(rate.values())) == 3
 
 

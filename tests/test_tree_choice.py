@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from specserve import LLM, SamplingParams, SpeculativeConfig
-from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepCosts, load_or_measure_costs
+from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
+from specserve.speculative.step_costs import StepCosts, load_or_measure_costs
 from specserve.speculative.tree import tree_layout
 from specserve.speculative.tree_choice import CHAIN, TREE, WINDOW, TreeChoice, measurement_tree
 from test_tree import _tree_llm as tree_llm, dirs  # noqa: F401 (dirs: test_tree's target and heads)

@@ -24,7 +24,7 @@ from specserve.runner.sampler import parse_logprobs
 from specserve.sampling_params import RequestOutputKind, SamplingParams
 from specserve.scheduler.scheduler import Scheduler
 from specserve.speculative.checkpoint import check_head_folder, load_draft_head
-from specserve.speculative.draft_len import load_or_measure_costs
+from specserve.speculative.step_costs import load_or_measure_costs
 from specserve.speculative.speculator import Speculator
 from specserve.speculative.tree import TreeSpeculator
 from specserve.tokenizer import IncrementalDetokenizer
@@ -35,7 +35,8 @@ log = logging.getLogger("specserve")
 
 
 class Collected(NamedTuple):
-    """One request's part of a collected step (``LLMEngine._collect``), for ``_report``."""
+    """One request's part of a collected step (``LLMEngine._collect``), for ``_report`` and the draft length's
+    ``observe``."""
 
     request: Request
     appended: list[int]  # tokens appended
@@ -340,7 +341,7 @@ class LLMEngine:
             if not done:
                 raise error
             self._error = error
-        reported = [(x.request, o) for x in done if (o := self._report(*x)) is not None]
+        reported = [(x.request, o) for x in done if (o := self._report(x.request, x.appended)) is not None]
         # a family whose last completions ended in this step is reported finished once, by its last output (and a
         # FINAL_ONLY family by that output alone)
         last = {o.request_id: i for i, (_, o) in enumerate(reported)}
@@ -393,6 +394,10 @@ class LLMEngine:
                 if req.family is not None and req.family.finished:
                     self.families.pop(req.family.request_id, None)
             done.append(Collected(req, appended, entry.num_drafts, res.num_accepted, res.depth))
+            if entry.num_drafts > 0:  # counted here, as the draft length's own counts are (``observe`` below), so
+                # that its choice before the next launch sees the rows' counts and the engine's move together
+                req.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended), res.depth)
+                self.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended), res.depth)
             if self.draft_policy is not None and entry.sample:  # the drafts its step proposed
                 req.spec_stats.record_step(entry.next_drafts)
                 proposed = entry.next_drafts
@@ -407,13 +412,10 @@ class LLMEngine:
             self.draft_policy.observe(done)  # the gate's counts; a tree's acceptance by kind of step
         return done
 
-    def _report(self, req: Request, appended: list[int], num_drafts: int, num_accepted: int,
-                depth: int | None = None) -> RequestOutput | None:
+    def _report(self, req: Request, appended: list[int]) -> RequestOutput | None:
         """A collected step's output for one request: its text (unless stop strings detokenized it already) and
-        statistics; None for a ``FINAL_ONLY`` request that goes on (its text is decoded once, when it ends)."""
-        if num_drafts > 0:  # (a step that verified nothing counts nothing: at D = 0 every row of every step)
-            req.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
-            self.spec_stats.record(num_drafts, num_accepted, len(appended), depth)
+        statistics (counted at collection); None for a ``FINAL_ONLY`` request that goes on (its text is decoded
+        once, when it ends)."""
         self.num_generated_tokens += len(appended)
         ended = req.finished if req.family is None else req.family.finished
         if req.params.output_kind == RequestOutputKind.FINAL_ONLY and not req.finished:

@@ -21,9 +21,9 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   D's own, which the steps after a choice run, not that of the step that still verifies the last drafts, and the
   debt stands until that graph exists), so that a batch draining through its batch sizes does not capture graphs
   mid-run that its few steps at a size never repay, while a batch size that lasts gets its best D (a probe too
-  keeps to a D with a graph where one has). Where D = 0 is the best it is taken at once, graph or not: its steps are
-  plain ones, whose graph a plain engine captures wherever it runs, so a head that does not pay falls back to plain
-  steps without renting a drafting D first;
+  waits for a step whose graph a D > 0 has, up to ``PROBE_MAX`` steps). Where D = 0 is the best it is taken at
+  once, graph or not: its steps are plain ones, whose graph a plain engine captures wherever it runs, so a head
+  that does not pay falls back to plain steps without renting a drafting D first;
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -38,36 +38,22 @@ either (nor continues, under the overlap scheduler, a row whose step verifies dr
 
 from __future__ import annotations
 
-import bisect
-import json
-import logging
 import operator
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
 from specserve.core.metrics import SpecStats
 from specserve.runner.cuda_graph import GraphCheck
-
-log = logging.getLogger("specserve")
+from specserve.speculative.step_costs import StepCosts
 
 # acceptance of a request that has verified nothing yet: the engine's, weighted as this many of its own steps
 PRIOR_STEPS = 4.0
 # a step keeps the D of the step before unless another promises this much more tokens per second
 SWITCH_GAIN = 0.02
-# an observed step period moves its (rows, D) estimate by this share of the difference, counting at most
-# OBSERVE_CLIP times the estimate (a period that holds a graph capture moves it at most 12.5%); a period past
-# OBSERVE_DROP times the estimate is not a step's cost (the engine waited for work) and is dropped. A host-bound
-# step can cost a few times its start-up measurement: the estimate climbs there in steps of up to 12.5%.
-OBSERVE_WEIGHT = 0.25
-OBSERVE_CLIP = 1.5
-OBSERVE_DROP = 8.0
 # a D whose step has no CUDA graph yet costs a capture: an eager step, then the capture, about this many seconds
 # with the kernels compiled (docs/BENCHMARKS.md, "What a capture costs"), a hundred steps or more. While another D
 # has its graph for the step, the best D's is captured only once the steps that took that other D instead lost this
@@ -84,79 +70,10 @@ PROBE_MAX = 1024
 # while a batch's rows stay the same and the engine's verify steps since its expected tokens were computed are at
 # most REUSE_SHARE of those they counted, the tokens are computed again at most every REUSE_STEPS steps (at D = 0 no
 # count moves, and they are reused for good): building them costs the host about 1 us a row (131 us at 128 rows on
-# this project's CPU, some 4% of a 2.1 ms step there), and once there is evidence a few steps' more move estimates
-# blended over tens of steps by little (the first steps, where evidence is thin, compute them every step)
+# this project's CPU; a 128-row step is about 2 ms on the H100), and once there is evidence a few steps' more move
+# estimates blended over tens of steps by little (the first steps, where evidence is thin, compute them every step)
 REUSE_STEPS = 8
 REUSE_SHARE = 1 / 8
-
-
-@dataclass
-class StepCosts:
-    """Seconds of one speculative step by (rows, D): ``seconds[i][d]`` for a step of ``buckets[i]`` rows (a
-    graph step's rows are padded up to its capture size, so a step of B rows costs what the smallest bucket
-    >= B costs)."""
-
-    buckets: list[int]  # ascending row counts
-    seconds: list[list[float]]  # [bucket][D = 0..max_draft_len]
-
-    def __post_init__(self) -> None:
-        if not self.buckets or len(self.buckets) != len(self.seconds) or self.buckets != sorted(set(self.buckets)):
-            raise ValueError("step costs need ascending, distinct row counts, one row of seconds each")
-        widths = {len(s) for s in self.seconds}
-        if len(widths) != 1 or min(widths) < 1 or any(t <= 0 for s in self.seconds for t in s):
-            raise ValueError("step costs need positive seconds for the same draft lengths in every bucket")
-
-    @property
-    def max_draft_len(self) -> int:
-        return len(self.seconds[0]) - 1
-
-    def row(self, rows: int) -> list[float]:
-        """Seconds of a step of ``rows`` rows for each D: the smallest bucket holding them; past the largest,
-        that bucket's scaled by rows (a step's cost grows at most linearly in its rows)."""
-        i = bisect.bisect_left(self.buckets, rows)
-        if i < len(self.buckets):
-            return self.seconds[i]
-        scale = rows / self.buckets[-1]
-        return [t * scale for t in self.seconds[-1]]
-
-    def observe(self, rows: int, draft_len: int, seconds: float) -> None:
-        """Move the estimate of a step of ``rows`` rows and D = ``draft_len`` towards an observed period (module
-        docstring); rows past the largest bucket are not recorded."""
-        i = bisect.bisect_left(self.buckets, rows)
-        if i == len(self.buckets) or not 0 <= draft_len <= self.max_draft_len or seconds <= 0:
-            return
-        old = self.seconds[i][draft_len]
-        if seconds > OBSERVE_DROP * old:
-            return
-        self.seconds[i][draft_len] = old + OBSERVE_WEIGHT * (min(seconds, OBSERVE_CLIP * old) - old)
-
-    def copy(self) -> "StepCosts":
-        return StepCosts(list(self.buckets), [list(s) for s in self.seconds])
-
-    def as_dict(self) -> dict:
-        return {"buckets": self.buckets, "seconds": self.seconds}
-
-    def save(self, path: str | Path, key: str) -> None:
-        """Write under ``key`` (the model, head, dtype and device the costs belong to) into a JSON file, keeping
-        the other keys it holds."""
-        p = Path(path)
-        data = json.loads(p.read_text()) if p.is_file() else {}
-        data[key] = self.as_dict()
-        p.write_text(json.dumps(data, indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path, key: str) -> "StepCosts | None":
-        """The costs stored under ``key`` in a JSON file written by ``save``; None when the file or key is
-        missing. A file that is not such JSON raises ``ValueError`` naming it."""
-        p = Path(path)
-        if not p.is_file():
-            return None
-        try:
-            entry = json.loads(p.read_text()).get(key)
-            return None if entry is None else cls([int(b) for b in entry["buckets"]],
-                                                  [[float(t) for t in s] for s in entry["seconds"]])
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"step cost file {p} is not one written by specserve ({e})") from e
 
 
 def engine_rates(prior: SpecStats, max_draft_len: int) -> np.ndarray:
@@ -292,7 +209,8 @@ class AcceptanceGate:
 
 class DraftLenPolicy:
     """The drafts each step proposes (module docstring). ``choose`` runs on the host at each launch; ``observe``
-    takes each collected step's counts (drafted, accepted over its rows)."""
+    takes each collected step's rows (drafted, accepted, emitted: the engine's counts, the prior, and the gate's).
+    ``prior``: other counts to blend requests' with instead of those (tests)."""
 
     def __init__(self, max_draft_len: int, schedule: dict[int, int] | None = None, adaptive: bool = False,
                  gate: AcceptanceGate | None = None, costs: StepCosts | None = None,
@@ -381,11 +299,13 @@ class DraftLenPolicy:
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
                 self.probe_after = PROBE_AFTER
-            # a probe: the best D > 0 for this step only (``PROBE_AFTER``), among those whose step has its graph;
-            # where none has, the probe waits for a step that has one (a capture, about 0.1 s, would cost a short
-            # run more than the probe can find), until the wait reaches PROBE_MAX steps. ``last`` keeps 0
+            # a probe: the best D > 0 for this step only (``PROBE_AFTER``), among those whose step has its graph
+            # (any D where the step is no graph step); where none has, the probe waits for a step that has one (a
+            # capture, about 0.1 s, would cost a short run more than the probe can find), until the wait reaches
+            # PROBE_MAX steps. ``last`` keeps 0
             rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1, len(tokens) - 1) + 1)]
-            have = [k for k in range(1, len(rates) + 1) if captured is None or captured.has(k)] \
+            eager = captured is None or captured.layout() is None
+            have = [k for k in range(1, len(rates) + 1) if eager or captured.has(k)] \
                 if self.zero_run >= self.probe_after else []
             if have or (rates and self.zero_run >= PROBE_MAX):
                 self.zero_run = 0
@@ -408,7 +328,7 @@ class DraftLenPolicy:
         # the memo holds the rows' objects: their ids are not reused
         if memo is not None and len(memo.stats) == len(stats) and all(map(operator.is_, memo.stats, stats)) and (
                 memo.counts == counts or (memo.reused < REUSE_STEPS - 1
-                                          and counts[0] - memo.counts[0] <= REUSE_SHARE * memo.counts[0])):
+                                          and 0 <= counts[0] - memo.counts[0] <= REUSE_SHARE * memo.counts[0])):
             memo.reused += 1
             return memo.tokens
         tokens = expected_tokens(stats, prior, self.max_draft_len)
@@ -424,97 +344,3 @@ class DraftLenPolicy:
                 counts.record(r.num_drafts, r.num_accepted, len(r.appended), r.depth)
         if self.gate is not None:
             self.gate.observe(sum(r.num_drafts for r in rows), sum(r.num_accepted for r in rows))
-
-
-def measure_step_costs(runner, pool, options: dict[int, list[int] | None], buckets: list[int], context: int = 256,
-                       repeats: int = 5) -> StepCosts:
-    """Seconds of a speculative step of each (rows in ``buckets``, option), as the engine runs it (staging, launch,
-    device, copy back; graphs replayed where the engine would replay them; under the overlap scheduler each step
-    launched before the one before it is collected, so a step costs the larger of the host's and the device's
-    time, as it does there). ``options`` (``SpeculatorBase.cost_options``), in the order of the costs' columns:
-    the drafts a step proposes a row (a chain's D, a tree's N), each with the parents of the drafts it verifies
-    (None: a chain's). Synthetic requests of ``context`` tokens whose KV blocks come from ``pool`` and go back,
-    each step verifying as many drafts as it proposes, the median of ``repeats`` after a warm-up (which compiles
-    kernels and captures graphs). The values computed are never read: only the time counts."""
-    from specserve.core.request import Request
-    from specserve.sampling_params import SamplingParams
-    from specserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-
-    rows, most = max(buckets), max(options)
-    sp = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
-    reqs = []
-    try:
-        for i in range(rows):
-            r = Request(f"cost-{i}", None, [1] * context, sp, context + most + 2 + (1 << 20), ())
-            # the drafts it verifies, then the draft loop's own slots (a tree's topk x (D - 1) may pass N)
-            slots = context + max(2 * most + 1, runner.speculator.spec.kv_slots_past_len)
-            if not pool.can_reserve(r.block_ids, slots):
-                break
-            pool.reserve(r.block_ids, slots)
-            r.num_computed_tokens = context - 1
-            reqs.append(r)
-        usable = [b for b in buckets if b <= len(reqs)]
-        if not usable:
-            raise ValueError("the KV cache holds no request to measure step costs with")
-        seconds = []
-        for b in usable:
-            per_d = []
-            for d, parents in options.items():
-                for r in reqs[:b]:
-                    r.spec_token_ids, r.spec_parents = [1] * d, parents
-                times, pending = [], None
-                for rep in range(repeats + 2):
-                    sched = [ScheduledRequest(r, context - 1, 1 + d, True, d, column=j) for j, r in enumerate(reqs[:b])]
-                    t0 = time.perf_counter()
-                    launched = runner.launch(SchedulerOutput(sched), draft_len=d)
-                    if runner.overlap:  # the step before is collected while this one runs
-                        pending, launched = launched, pending
-                    if launched is not None:
-                        runner.collect(launched)
-                    if rep >= 2:
-                        times.append(time.perf_counter() - t0)
-                if pending is not None:
-                    runner.collect(pending)
-                per_d.append(statistics.median(times))
-            seconds.append(per_d)
-        return StepCosts(usable, seconds)
-    finally:
-        for r in reqs:
-            pool.free(r.block_ids)
-            r.spec_token_ids, r.spec_parents = [], None
-
-
-def cost_buckets(max_rows: int) -> list[int]:
-    """Row counts whose step costs are measured: powers of two below ``max_rows``, then ``max_rows`` (each a
-    graph capture size too)."""
-    out, b = [], 1
-    while b < max_rows:
-        out.append(b)
-        b *= 2
-    return out + [max_rows]
-
-
-def load_or_measure_costs(engine, options: dict[int, list[int] | None]) -> StepCosts:
-    """The engine's step costs for its speculator's ``options`` (``cost_options``: ``adaptive_draft_len``'s draft
-    lengths, or a tree and its chain): from its ``step_cost_file`` where that holds this model, head, dtype,
-    device and those options, else measured now (and written there)."""
-    spec = engine.spec_config
-    dev = engine.device
-    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    shape = f"D={spec.max_draft_len}" if not spec.tree else f"tree={spec.topk}x{spec.max_draft_len}x{spec.num_nodes}"
-    key = "|".join(map(str, (engine.model_path, spec.draft_model, spec.method, engine.dtype, device_name,
-                             shape, f"rows={engine.config.scheduler_config.max_num_seqs}",
-                             f"graphs={engine.runner.graphs is not None}")))
-    if spec.step_cost_file is not None:
-        costs = StepCosts.load(spec.step_cost_file, key)
-        if costs is not None:
-            return costs
-    buckets = cost_buckets(engine.config.scheduler_config.max_num_seqs)
-    log.info("measuring speculative step costs for %d batch sizes x %d kinds of step (drafts %s)", len(buckets),
-             len(options), list(options))
-    t0 = time.perf_counter()
-    costs = measure_step_costs(engine.runner, engine.pool, options, buckets)
-    log.info("step costs measured in %.1f s", time.perf_counter() - t0)
-    if spec.step_cost_file is not None and engine.tp.rank == 0:  # every rank measures (in step); one writes
-        costs.save(spec.step_cost_file, key)
-    return costs

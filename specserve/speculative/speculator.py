@@ -229,7 +229,7 @@ class Speculator(SpeculatorBase):
                                                 for s in sched)
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
-        """The steps whose costs the engine measures at start (``draft_len.load_or_measure_costs``): with
+        """The steps whose costs the engine measures at start (``step_costs.load_or_measure_costs``): with
         ``adaptive_draft_len`` each D in 0..max_draft_len (chains: no parents); None: none."""
         return {d: None for d in range(self.draft_len + 1)} if self.spec.adaptive_draft_len else None
 

@@ -5,7 +5,7 @@ drafts one. Where a step's cost hardly grows with its tokens (few rows on a GPU)
 pay; where it grows (many rows) they may not. With ``tree_max_batch_size`` set, steps of more rows than that draft
 chains. Without it (the default, on CUDA graphs), each step drafts whichever promises more tokens per second:
 
-* seconds: a step of the batch's rows, tree and chain, measured at engine start (``draft_len.measure_step_costs``
+* seconds: a step of the batch's rows, tree and chain, measured at engine start (``step_costs.measure_step_costs``
   over both kinds of step, or loaded from ``step_cost_file``), then moved towards the periods the engine really
   observes (``StepCosts.observe``, as ``adaptive_draft_len`` does);
 * tokens: 1 + the sum over depths of how often an accepted path reached that depth, counted apart for the
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.speculative.config import TREE_MAX_BATCH, SpeculativeConfig
-from specserve.speculative.draft_len import (PROBE_AFTER, PROBE_MAX, StepCosts, StepPeriods, best_draft_len,
-                                             engine_rates)
+from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepPeriods, best_draft_len, engine_rates
+from specserve.speculative.step_costs import StepCosts
 
 CHAIN, TREE = 0, 1  # the columns of the step costs, and the kinds of step
 WINDOW = 4096  # a kind's counts are halved when its rows verified pass this many
@@ -78,8 +78,7 @@ def measurement_tree(topk: int, depth: int, nodes: int) -> list[int]:
 
 class TreeChoice:
     """Tree (N drafts a row) or chain (D) for each step (module docstring). The interface of
-    ``DraftLenPolicy`` that the engine and the speculator use: ``choose``, ``observe``, ``costs``, ``prior``,
-    ``timed``."""
+    ``DraftLenPolicy`` that the engine and the speculator use: ``choose``, ``observe``, ``costs``, ``timed``."""
 
     varies = False  # a chain step through the tree's code always drafts D
 
@@ -95,7 +94,6 @@ class TreeChoice:
         self.probe_after = PROBE_AFTER
         self.timed = True  # observe step periods (off under tensor parallelism: ranks must choose alike)
         self.periods = StepPeriods()
-        self.prior = lambda: None  # the engine's counts, unused: each kind keeps its own
 
     @property
     def costs(self) -> StepCosts | None:
