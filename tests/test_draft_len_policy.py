@@ -298,9 +298,9 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
         p.zero_run = p.probe_after
         assert p.choose([unlucky], generation=True) > 0
     assert p.probe_after == PROBE_MAX
-    # a probe takes the best D > 0 among those whose step (a graph step: its layout) has its graph; where none
-    # has, it waits for a step that has one, until the wait reaches PROBE_MAX, and then takes the best; a step that
-    # is no graph step (no layout) captures nothing, and probes on time
+    # a probe takes the best D > 0 among those whose step has its graph; where none has, it waits for a step that
+    # has one, until the wait reaches PROBE_MAX, and then takes the best; an engine that runs no graphs captures
+    # nothing, and probes on time
     def graphs(*ds):
         return GraphCheck(lambda d: d in ds, lambda: (1, 16))
 
@@ -313,7 +313,8 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     assert p.choose([unlucky], generation=True, captured=graphs(0, 1)) == 1
     assert p.zero_run == 0 and p.probe_after == 2 * PROBE_AFTER
     p.zero_run = p.probe_after
-    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: False)) == 2  # no graph step
+    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: False)) == 0  # a graph engine's
+    assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: False, graphed=False)) == 2  # none
     p.zero_run = PROBE_MAX
     assert p.choose([unlucky], generation=True, captured=graphs(0)) == 2
     tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)

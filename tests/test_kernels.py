@@ -161,6 +161,7 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     assert launch_shape(1, 25, 3, 3, 64, 256, split_short=True, tree=True)[:3] == (16, 5, 5)
     assert launch_shape(1, 512, 3, 3, 64, 1024, tree=True) == launch_shape(1, 512, 3, 3, 64, 1024)
     assert launch_shape(1, 25, 3, 3, 64, 512, tree=True, block_m=64) == launch_shape(1, 25, 3, 3, 64, 512)
+    assert launch_shape(32, 25, 3, 3, 64, 512, tree=True) == launch_shape(32, 25, 3, 3, 64, 512)  # not measured
     assert TREE_MIN_SPLITS <= gemv.MERGE_MAX_SPLITS
     tile = partial_bytes(16, 64)
     assert default_splits(1024, MAX_PARTIALS // (4 * tile), tile) == 4

@@ -64,6 +64,7 @@ def check_tree_accept(device, dtype):
         assert torch.equal(x[keep.to(device)].cpu(), y), "tree accept: rows that count more nodes than they have"
     assert got[2][1].tolist() == [int(argmax[1, 0])] + [0] * n and got[2][3].tolist()[:3] == argmax[3, :3].tolist()
 
+
 @kernel_check
 def check_tree_compact(device, dtype):
     """Exact: each row's accepted path moved to the positions after its root in every layer's keys and values
@@ -214,6 +215,16 @@ def check_tree_attention_layout(device, dtype):
         assert torch.equal(got[0], ref[0]) and torch.equal(got[0], pos.to(device)), f"positions before, n {n}"
         assert torch.equal(got[1], ref[1]), f"tree bits, n {n} q {q}"
         assert not torch.equal(ref_pos, pos.to(device)), "the check should move some position"
+    # a live node whose parent is a stale value past the row's columns: the walk ends there (nothing read past the
+    # row), and the other rows are as the reference lays them out
+    par = torch.arange(6).repeat(2, 1)
+    par[1, 2] = 1 << 40
+    nd, start, pos = torch.tensor([6, 6]), torch.tensor([10, 20]), torch.arange(14).view(2, 7) + 100
+    got_pos = pos.clone().to(device)
+    got = tree_attention_layout(par.to(device), nd.to(device), start.to(device), got_pos, 6)
+    ref_pos = pos[:1].clone().to(device)
+    ref = tree_attention_layout_ref(par[:1].to(device), nd[:1].to(device), start[:1].to(device), ref_pos, 6)
+    assert torch.equal(got_pos[:1], ref_pos) and torch.equal(got[1][:1], ref[1]), "tree layout beside a stale parent"
 
 
 TREE_CHECKS = [check_tree_accept, check_tree_compact, check_tree_draft_inputs, check_tree_attention_layout,

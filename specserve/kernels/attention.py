@@ -59,16 +59,18 @@ MAX_PARTIALS = 1 << 30
 # rounds of loads)
 MERGE_ROWS = 16
 MERGE_ELEMENTS = 8192
-# A draft tree's verify step (rows of at most TREE_VERIFY_QUERIES queries, the root and its nodes; at batch 1 and
-# the default model's 3 query heads a KV head a 24-node tree is 75 tile rows, two 64-row tiles by the rule above,
-# with 4 splits over 512 positions) runs in 16-row tiles of 8 warps and at least 8 splits where it splits: on one
-# H100 (bf16, ``bench_attention.py --tree``) 5.7 us against 9.8 over 512 table positions and 9.0 against 15.2 over
-# 2,048 (a sweep's best); more programs walk the keys side by side. A tree engine's prompt chunks (hundreds of
-# queries a row, with the tree mask's bits too) keep the rule above.
+# A draft tree's verify step of a few rows (rows of at most TREE_VERIFY_QUERIES queries, the root and its nodes; at
+# batch 1 and the default model's 3 query heads a KV head a 24-node tree is 75 tile rows, two 64-row tiles by the
+# rule above, with 4 splits over 512 positions) runs in 16-row tiles of 8 warps and at least 8 splits where it
+# splits: on one H100 (bf16, batch 1, ``bench_attention.py --tree``) 5.7 us against 9.8 over 512 table positions
+# and 9.0 against 15.2 over 2,048; more programs walk the keys side by side. Up to TREE_VERIFY_ROWS rows such a step
+# still has fewer programs than the GPU has SMs; larger batches (not measured) and a tree engine's prompt chunks
+# (hundreds of queries a row, with the tree mask's bits too) keep the rule above.
 TREE_BLOCK_M = 16
 TREE_WARPS = 8
 TREE_MIN_SPLITS = 8  # at most gemv.MERGE_MAX_SPLITS: the o projection still merges them (a test checks)
 TREE_VERIFY_QUERIES = 64  # the most a tree's verify row takes (the acceptance kernel's limit)
+TREE_VERIFY_ROWS = 4
 BLOCK_N = 128  # key positions per inner iteration (16-bit tiles of at most 32 query rows)
 BLOCK_N_WIDE = 64  # float32, or tiles of 64 query rows (prefill chunks): smaller tiles keep to shared memory
 
@@ -100,10 +102,11 @@ def partial_bytes(block_m: int, head_d: int) -> int:
     return 4 * block_m * (head_d + 2)
 
 
-def tree_verify_tiles(qw: int, g: int, tree: bool, block_m: int | None) -> bool:
-    """Whether a step takes a draft tree's verify launch (``TREE_BLOCK_M``): rows with the tree mask of at most
-    ``TREE_VERIFY_QUERIES`` queries, where no tile rows are asked for."""
-    return tree and block_m is None and qw <= TREE_VERIFY_QUERIES and g <= TREE_BLOCK_M
+def tree_verify_tiles(rows: int, qw: int, g: int, tree: bool, block_m: int | None) -> bool:
+    """Whether a step takes a draft tree's verify launch (``TREE_BLOCK_M``): at most ``TREE_VERIFY_ROWS`` rows with
+    the tree mask of at most ``TREE_VERIFY_QUERIES`` queries, where no tile rows are asked for."""
+    return (tree and block_m is None and rows <= TREE_VERIFY_ROWS and qw <= TREE_VERIFY_QUERIES
+            and g <= TREE_BLOCK_M)
 
 
 def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int, split_short: bool = False,
@@ -113,12 +116,13 @@ def launch_shape(rows: int, qw: int, g: int, hkv: int, head_d: int, keys: int, s
     per row, default key splits). ``split_short``: the splits' merge costs no kernel of its own (the o
     projection merges them), so a short table of a decode or verify step splits too. ``tree``: the rows carry a
     draft tree's mask (``tree_verify_tiles``)."""
-    tree_tiles = tree_verify_tiles(qw, g, tree, block_m)
+    tree_tiles = tree_verify_tiles(rows, qw, g, tree, block_m)
     block_m, qpt, n_qt = query_tiling(qw, g, TREE_BLOCK_M if tree_tiles else block_m)
-    splits = default_splits(keys, rows * n_qt * hkv, partial_bytes(block_m, head_d),
-                            short=split_short and block_m <= 32)
-    if tree_tiles and keys > ONE_SPLIT_KEYS and splits > 1:
-        splits = max(splits, TREE_MIN_SPLITS)
+    programs, tile = rows * n_qt * hkv, partial_bytes(block_m, head_d)
+    splits = default_splits(keys, programs, tile, short=split_short and block_m <= 32)
+    if tree_tiles and keys > ONE_SPLIT_KEYS and 1 < splits < TREE_MIN_SPLITS \
+            and programs * TREE_MIN_SPLITS * tile <= MAX_PARTIALS:
+        splits = TREE_MIN_SPLITS
     return block_m, qpt, n_qt, splits
 
 
@@ -155,7 +159,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, query_index, query
         tree_bits = tree_bits.contiguous().view(b, qw) if tree else None
     keys = block_tables.shape[1] * page
     head_d = triton.next_power_of_2(d)
-    if num_warps is None and tree_verify_tiles(qw, g, tree, block_m):
+    if num_warps is None and tree_verify_tiles(b, qw, g, tree, block_m):
         num_warps = TREE_WARPS
     # qpt queries per tile, n_qt tiles per row
     block_m, qpt, n_qt, auto_splits = launch_shape(b, qw, g, hkv, head_d, keys,

@@ -82,6 +82,7 @@ if HAVE_TRITON:
         for _ in tl.static_range(DEPTH):
             up = live & (p > 0) & (p <= N)  # (a stale parent past the row's columns ends the walk: nothing read)
             p = tl.where(up, tl.load(PAR + b * N + p - 1, mask=up, other=0), p)
+            up = up & (p <= N)  # ... and counts for nothing
             acc = acc | tl.where(up, tl.full((QP,), 1, tl.int64) << p, 0)
             dep += up.to(tl.int64)
         tl.store(POS + b * Q + c, tl.load(START + b) + dep, mask=live)

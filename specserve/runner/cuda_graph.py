@@ -36,6 +36,9 @@ class GraphCheck:
     # what every D's graph of the step shares: a generation step's padded rows and table width, a prompt step's
     # prefill layout (None: no graph step)
     layout: Callable[[], Hashable | None] = lambda: None
+    # whether the engine runs graphs at all (False: no step captures anything; a graph engine's step of no layout
+    # still runs its generation rows in a graph of their own)
+    graphed: bool = True
 
 
 class CudaGraphs:

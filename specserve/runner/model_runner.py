@@ -187,7 +187,7 @@ class ModelRunner:
                 answers[s] = k is not None and self.graphs.has(
                     (k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s or -1))
             return answers[s]
-        return GraphCheck(has, layout)
+        return GraphCheck(has, layout, self.graphs is not None)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,

@@ -21,9 +21,10 @@ Three policies, composed into one ``DraftLenPolicy`` (chosen once, at engine sta
   D's own, which the steps after a choice run, not that of the step that still verifies the last drafts, and the
   debt stands until that graph exists), so that a batch draining through its batch sizes does not capture graphs
   mid-run that its few steps at a size never repay, while a batch size that lasts gets its best D (a probe too
-  waits for a step whose graph a D > 0 has, up to ``PROBE_MAX`` steps). Where D = 0 is the best it is taken at
-  once, graph or not: its steps are plain ones, whose graph a plain engine captures wherever it runs, so a head
-  that does not pay falls back to plain steps without renting a drafting D first;
+  waits for a step whose graph a D > 0 has, up to ``PROBE_MAX`` steps, unless the engine runs no graphs). Where
+  D = 0 is the best it is taken at once, graph or not: its steps are plain ones, whose graph a plain engine
+  captures wherever it runs, so a head that does not pay falls back to plain steps without renting a drafting D
+  first;
 
 and, over any of them, TensorRT-LLM's speculation gate: once the acceptance rate (accepted / drafted) over the
 last ``acceptance_rate_window_size`` speculative steps falls below ``acceptance_rate_threshold``, the engine
@@ -300,13 +301,14 @@ class DraftLenPolicy:
             if best > 0:
                 self.probe_after = PROBE_AFTER
             # a probe: the best D > 0 for this step only (``PROBE_AFTER``), among those whose step has its graph
-            # (any D where the step is no graph step); where none has, the probe waits for a step that has one (a
+            # (any D where the engine runs no graphs); where none has, the probe waits for a step that has one (a
             # capture, about 0.1 s, would cost a short run more than the probe can find), until the wait reaches
             # PROBE_MAX steps. ``last`` keeps 0
             rates = [tokens[k] / seconds[k] for k in range(1, min(d, len(seconds) - 1, len(tokens) - 1) + 1)]
-            eager = captured is None or captured.layout() is None
-            have = [k for k in range(1, len(rates) + 1) if eager or captured.has(k)] \
-                if self.zero_run >= self.probe_after else []
+            have = []
+            if self.zero_run >= self.probe_after:
+                eager = captured is None or not captured.graphed
+                have = [k for k in range(1, len(rates) + 1) if eager or captured.has(k)]
             if have or (rates and self.zero_run >= PROBE_MAX):
                 self.zero_run = 0
                 self.probe_after = min(2 * self.probe_after, PROBE_MAX)

@@ -141,7 +141,7 @@ class SpeculatorBase:
         self.verifier = Verifier(spec, thinking_tokens)
         self.thinking_tokens = thinking_tokens  # ids of the thinking phase's begin / end tokens (-1: none)
         # the drafts each step proposes (a chain's D may vary by step, a tree's steps may draft chains; the engine
-        # sets the costs and the prior): ``DraftLenPolicy`` or the tree's ``TreeChoice``
+        # sets the costs): ``DraftLenPolicy`` or the tree's ``TreeChoice``
         self.policy = policy if policy is not None else DraftLenPolicy.from_config(spec)
 
     def drafts_nothing(self, sched) -> bool:
