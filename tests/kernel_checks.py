@@ -16,8 +16,9 @@ from linear_checks import (check_attn_merge_fold, check_gemv, check_gemv_rows, c
 from specserve.kernels.accept import greedy_accept, greedy_accept_ref
 from specserve.kernels.argmax import CHUNK, argmax_lastdim
 from specserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from specserve.kernels.attention import (SHORT_SPLIT, AttnPartials, _flat_index, build_mask, paged_attention_flex,
+from specserve.kernels.attention import (AttnPartials, _flat_index, build_mask, paged_attention_flex,
                                          paged_attention_sdpa, paged_attention_triton)
+from specserve.kernels.attention_launch import SHORT_SPLIT
 from specserve.kernels.norm import embed_norm_cat, rms_norm, rms_norm_ref
 from specserve.kernels.rope import rope_and_cache, rope_ref, write_kv_ref
 from specserve.kernels.draft_inputs import draft_inputs, draft_inputs_ref

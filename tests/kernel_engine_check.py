@@ -96,8 +96,9 @@ print(f"triton spec=True padded=True draft vocabulary of the target's rows: {'ok
 # gemv_rows.MIN_ROWS rows fold the norm, so it also writes the stream and its scaled copy); the full run also
 # checks the merge kernel, the fold off
 import specserve.kernels.attention as attention  # noqa: E402
+import specserve.kernels.attention_launch as attention_launch  # noqa: E402
 
-attention.ONE_SPLIT_KEYS, attention.BLOCK_N_WIDE = 0, 16
+attention_launch.ONE_SPLIT_KEYS, attention.BLOCK_N_WIDE = 0, 16
 merged = []
 merged_linear = llama.merged_linear
 llama.merged_linear = lambda *a: merged.append(merged_linear(*a)) or merged[-1]

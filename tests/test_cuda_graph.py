@@ -446,7 +446,7 @@ def test_pdl_launches_give_the_tokens_of_ordinary_ones(monkeypatch):
             llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 28, speculative_config=spec)
             assert pdl.pdl(llm.engine.model.embed_tokens.weight) == on
             alone = llm.chat(msgs[:1], sp)
-            assert len(alone[0].prompt_token_ids) > 512  # attention in splits (kernels.attention.ONE_SPLIT_KEYS)
+            assert len(alone[0].prompt_token_ids) > 512  # attention in splits (kernels.attention_launch.ONE_SPLIT_KEYS)
             outs[on] = [o.token_ids for o in alone] + [o.token_ids for o in llm.chat(msgs, sp)]
             assert llm.engine.runner.graphs.num_captured > 0
             del llm

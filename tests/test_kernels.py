@@ -129,8 +129,8 @@ def test_attention_splits_keys_unless_the_partial_sums_would_be_too_large():
     most as many splits as that merge takes). A train-draft regeneration's prefill of 137 prompts of up to 3,114
     tokens asked the H200 for 45.7 GiB of them."""
     from specserve.kernels import gemv
-    from specserve.kernels.attention import (MAX_PARTIALS, ONE_SPLIT_KEYS, SHORT_SPLIT, SPLIT, TREE_MIN_SPLITS,
-                                             default_splits, launch_shape, partial_bytes, query_tiling)
+    from specserve.kernels.attention_launch import (MAX_PARTIALS, ONE_SPLIT_KEYS, SHORT_SPLIT, SPLIT, TREE_MIN_SPLITS,
+                                                    default_splits, launch_shape, partial_bytes, query_tiling)
 
     def splits(rows: int, qw: int, hq: int, hkv: int, head_d: int, keys: int) -> int:
         return launch_shape(rows, qw, hq // hkv, hkv, head_d, keys)[3]  # as paged_attention_triton launches
