@@ -230,16 +230,15 @@ def tree_sweep(json_path: str | None, variants_too: bool = True) -> None:
                        default_us=checked_us(lambda: paged_attention_triton(x, kc, vc, tables, qidx, qpos, scale,
                                                                             **tree), ref, f"tree {q} default"),
                        chain_us=graph_us(lambda: paged_attention_triton(*chain)))
-            if not variants_too:
+            top = ""
+            if variants_too:
+                variants = launch_variants((x, kc, vc, tables, qidx, qpos, scale), ref, f"tree {q} ctx={context}",
+                                           (1, 2, 4, 8), (16, 32, 64), (32, 64, 128), keys=width * 16, **tree)
+                top = "  best " + keep_best(res, variants, rows)
+            else:
                 rows.append(res)
-                print(f"tree of {nodes:>2} nodes ctx={context:>5} keys={width * 16:>5}  default "
-                      f"{res['default_us']:6.2f} us  chain {res['chain_us']:6.2f}", flush=True)
-                continue
-            variants = launch_variants((x, kc, vc, tables, qidx, qpos, scale), ref, f"tree {q} ctx={context}",
-                                       (1, 2, 4, 8), (16, 32, 64), (32, 64, 128), keys=width * 16, **tree)
-            top = keep_best(res, variants, rows)
             print(f"tree of {nodes:>2} nodes ctx={context:>5} keys={width * 16:>5}  default {res['default_us']:6.2f} us"
-                  f"  chain {res['chain_us']:6.2f}  best " + top, flush=True)
+                  f"  chain {res['chain_us']:6.2f}{top}", flush=True)
     dump(json_path, rows)
 
 
