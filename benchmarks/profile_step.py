@@ -29,7 +29,7 @@ from collections import defaultdict
 
 import torch
 
-from specserve.bench.run import tree_shape
+from specserve.bench.run import tree_config
 from specserve.bench.timeline import format_layer_costs
 
 
@@ -127,8 +127,9 @@ def main() -> None:
     ap.add_argument("--method", default="eagle3")
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--forced-acceptance", type=float, default=None)
-    ap.add_argument("--tree", default=None, metavar="KxDxN",
-                    help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`)")
+    ap.add_argument("--tree", default=None, metavar="KxDxN[:B]",
+                    help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`; :B the tree "
+                         "at up to B rows, without it each step the tree or the chain by measured cost)")
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--adaptive-draft-len", action="store_true",
                     help="the adaptive draft length (the steps it chooses; --zero-drafts profiles steps of D = 0)")
@@ -164,8 +165,7 @@ def main() -> None:
     if not a.no_spec:
         spec = dict(method=a.method, draft_model=a.draft, max_draft_len=a.draft_len)
         if a.tree:
-            k, spec["max_draft_len"], n = tree_shape(a.tree)
-            spec.update(topk=k, max_total_draft_tokens=n)
+            spec.update(tree_config(a.tree))  # "KxDxN:B" keeps the tree at up to B rows
         if a.forced_acceptance is not None:
             spec["forced_acceptance"] = a.forced_acceptance
         if a.adaptive_draft_len:

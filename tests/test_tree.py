@@ -142,6 +142,27 @@ def test_a_tree_of_one_child_per_node_is_the_chain(dirs, head):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("head", ["eagle3", "mtp"])
+def test_a_trees_chain_steps_are_the_chain(dirs, head):
+    """A tree engine's steps that draft a chain (here every step: ``tree_max_batch_size`` 0) draft what the chain
+    engine of the same D drafts, through the head's argmax rather than the tree's ranking: step by step the same
+    drafts, and the same tokens and counts."""
+    spec = dict(method="eagle3" if head == "eagle3" else "mtp", draft_model=str(dirs / head), max_draft_len=3)
+    runs = []
+    for topk in (1, 3):
+        llm = LLM(str(dirs / "target"), device="cpu", dtype="float32",
+                  speculative_config=dict(spec, topk=topk) if topk > 1 else spec)
+        llm.engine.spec_config.tree_max_batch_size = 0
+        sp, drafts = llm.engine.runner.speculator, []
+        results = sp.results
+        sp.results = lambda *a, **kw: [drafts.append(r.drafts) or r for r in results(*a, **kw)]
+        outs = llm.generate(PROMPTS, GREEDY)
+        runs.append(([o.token_ids for o in outs], llm.engine.spec_stats.as_dict(), drafts))
+    assert isinstance(sp, TreeSpeculator)
+    assert sum(len(d) == 3 for d in runs[1][2]) > 20  # chains of D drafts
+    assert runs[0] == runs[1]
+
+
 def test_tree_acceptance_on_a_hand_built_tree():
     """Root argmax 5; nodes (col: token <- parent): 1: 4<-0, 2: 5<-0, 3: 7<-2, 4: 6<-2, 5: 9<-4. The argmax at
     column 2 is 6 and at column 4 is 9: the path is 2 -> 4 -> 5, three deep, and the bonus the argmax at 5."""

@@ -279,15 +279,21 @@ class TreeSpeculator(SpeculatorBase):
         b = last.shape[0]
         dev = last.device
         ids = head.target_ids()
-        # every candidate's token, score and parent's candidate id [B, C]: k at depth 1, then k * k a depth
-        c = k + (self.draft_len - 1) * k * k
-        cand_tok = torch.empty(b, c, dtype=torch.int64, device=dev)
-        cand_score = torch.empty(b, c, dtype=torch.float32, device=dev)
-        cand_par = torch.empty(b, c, dtype=torch.int64, device=dev)
         zeros = torch.zeros(b, 1, dtype=torch.int64, device=dev)
         root = Frontier(tok=zeros, score=torch.zeros(b, 1, device=dev), ids=zeros - 1, bits=zeros,
                         hidden=last[:, None])
-        f = expand_depth(head.raw_logits(0, last), root, k, ids, 0, cand_tok, cand_score, cand_par)
+        # a chain (k = 1) has nothing to rank: each depth's argmax, through the head's draft output layer as the
+        # chain's own draft loop takes it (its fused argmax, not the logits, a log-softmax and two top-k kernels)
+        chain = [head.draft_ids(0, last)] if k == 1 else None  # each depth's token [B]
+        if chain is not None:
+            f = dataclasses.replace(root, tok=chain[0][:, None])
+        else:
+            # every candidate's token, score and parent's candidate id [B, C]: k at depth 1, then k * k a depth
+            c = k + (self.draft_len - 1) * k * k
+            cand_tok = torch.empty(b, c, dtype=torch.int64, device=dev)
+            cand_score = torch.empty(b, c, dtype=torch.float32, device=dev)
+            cand_par = torch.empty(b, c, dtype=torch.int64, device=dev)
+            f = expand_depth(head.raw_logits(0, last), root, k, ids, 0, cand_tok, cand_score, cand_par)
         base = last_pos + 1  # [B]: the first scratch slot's position
         tables = meta.block_tables.repeat_interleave(k, dim=0)  # [B * k, M]
         # every depth's scratch columns, positions, slots and RoPE positions at once (a few kernels, not a few a
@@ -313,11 +319,17 @@ class TreeSpeculator(SpeculatorBase):
             out = head.run_module(depth, f.tok.reshape(-1), rope[depth - 1], f.hidden.reshape(b * k, -1), m,
                                   self.head_kv[head.kv_layer(depth)])  # [B * k, H]
             f.hidden = out.view(b, k, -1)
+            if chain is not None:
+                chain.append(head.draft_ids(depth, out))
+                f.tok = chain[-1][:, None]
+                continue
             f = expand_depth(head.raw_logits(depth, out), f, k, ids, next_id, cand_tok, cand_score, cand_par)
             next_id += k * k
+        if chain is not None:  # node j's parent is column j (the root's child first)
+            return torch.stack(chain, 1), torch.arange(self.draft_len, device=dev).expand(b, -1)
         # each candidate's depth: k at depth 1, then k * k a depth
         cand_depth = self._candidate_depths(k, dev).expand(b, -1)
-        return select_tree(cand_tok, cand_par, cand_score, cand_depth, self.num_nodes if k > 1 else self.draft_len)
+        return select_tree(cand_tok, cand_par, cand_score, cand_depth, self.num_nodes)
 
     def _candidate_depths(self, k: int, dev) -> torch.Tensor:
         """[1, C]: the depth of each expansion candidate (k at depth 1, then k * k at each depth), made once."""
