@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from specserve.core.metrics import SpecStats
+from specserve.core.metrics import SpecStats, Tally, Verified
 from specserve.runner.cuda_graph import GraphCheck
 from specserve.speculative.draft_len import (CAPTURE_SECONDS, AcceptanceGate, DraftLenPolicy, best_draft_len,
                                              engine_rates, expected_tokens, prefer_captured)
@@ -36,11 +35,9 @@ def test_the_schedule_follows_tensorrt_llm():
 def test_the_gate_closes_on_a_low_rolling_acceptance_rate_and_stays_closed():
     gate = AcceptanceGate(window=3, threshold=0.5)
     p = DraftLenPolicy(3, gate=gate)
-    def row(drafts, accepted):  # a collected row (``LLMEngine.Collected``'s fields)
-        return SimpleNamespace(num_drafts=drafts, num_accepted=accepted, appended=[0] * (accepted + 1), depth=None)
-
-    def step(drafted, accepted):  # a collected step of two rows: the gate sums them
-        p.observe([row(drafted - drafted // 2, accepted - accepted // 2), row(drafted // 2, accepted // 2)])
+    def step(drafted, accepted):  # a collected step of two rows, tallied as the engine does: the gate sums them
+        rows = [(drafted - drafted // 2, accepted - accepted // 2), (drafted // 2, accepted // 2)]
+        p.observe(Tally(Verified(d, a, a + 1) for d, a in rows if d > 0))
 
     for drafted, accepted in ((3, 3), (3, 0), (0, 0), (3, 2)):  # 5 of 9 over the window: open
         step(drafted, accepted)
@@ -165,7 +162,7 @@ def test_a_draft_length_without_a_graph_is_rented_until_the_rent_would_have_paid
     assert DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior).choose(rows) == 3
     p = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
     p.timed = False
-    tok, sec = p._expected_tokens([r.spec_stats for r in rows]), costs.seconds[0]
+    tok, sec = p._expected_tokens(rows), costs.seconds[0]
     per_step = sec[2] * (1 - tok[2] / sec[2] / (tok[3] / sec[3]))
     rent = math.ceil(CAPTURE_SECONDS / per_step) - 1  # steps whose losses stay below a capture's cost
     assert 10 < rent < 10_000
@@ -317,7 +314,7 @@ def test_a_batch_at_d0_probes_so_that_its_estimates_can_recover(monkeypatch):
     assert p.choose([unlucky], generation=True, captured=GraphCheck(lambda d: False, graphed=False)) == 2  # none
     p.zero_run = PROBE_MAX
     assert p.choose([unlucky], generation=True, captured=graphs(0)) == 2
-    tokens, seconds = p._expected_tokens([unlucky.spec_stats]), p.live.row(1)
+    tokens, seconds = p._expected_tokens([unlucky]), p.live.row(1)
     rate = {d: tokens[d] / seconds[d] for d in (1, 3, 4)}
     p.zero_run = p.probe_after
     assert p.choose([unlucky], generation=True, captured=graphs(1, 3, 4)) == max(rate, key=rate.get)
@@ -370,3 +367,16 @@ def test_step_costs_are_checked_saved_and_loaded(tmp_path):
         with pytest.raises(ValueError, match="step costs"):
             StepCosts(buckets, seconds)
     assert cost_buckets(1) == [1] and cost_buckets(6) == [1, 2, 4, 6] and cost_buckets(8) == [1, 2, 4, 8]
+
+
+def test_a_tallied_step_counts_as_its_rows_one_by_one():
+    """The engine tallies a step's rows by how they verified (``Verified``) and moves its counts once per kind of
+    row: the same counts as recording every row, chains and trees (by depth) alike."""
+    rows = [Verified(4, 2, 3), Verified(4, 0, 1), Verified(4, 2, 3), Verified(2, 2, 3), Verified(24, 3, 4, 5),
+            Verified(24, 3, 4, 5), Verified(6, 1, 2, 6), Verified(4, 4, 5)]
+    one, tallied = SpecStats(), SpecStats()
+    for v in rows:
+        one.record(*v)
+    tallied.record_tally(Tally(rows))
+    assert tallied == one
+    assert tallied.num_verify_steps == len(rows) and tallied.drafted_per_pos[4] == 3

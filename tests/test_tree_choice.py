@@ -5,11 +5,11 @@ and greedy output equal to plain decoding while steps switch between the tree an
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from specserve import LLM, SamplingParams, SpeculativeConfig
+from specserve.core.metrics import Tally, Verified
 from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
 from specserve.speculative.step_costs import StepCosts, load_or_measure_costs
 from specserve.speculative.tree import tree_layout
@@ -33,7 +33,7 @@ def _steps(choice: TreeChoice, tree: bool, accepted: int, n: int = 1, rows: int 
     """``n`` collected steps of ``rows`` rows that verified the tree (N nodes, depth D) or a chain, each
     accepting ``accepted`` drafts."""
     for _ in range(n):
-        choice.observe([SimpleNamespace(num_drafts=N if tree else D, num_accepted=accepted, depth=D)] * rows)
+        choice.observe(Tally({Verified(N if tree else D, accepted, accepted + 1, D): rows}))
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 6), (2, 4, 7), (3, 5, 7), (4, 6, 24), (8, 8, 48), (3, 2, 12), (8, 2, 63)])

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Verified(NamedTuple):
+    """One row's verify step, as counted (``SpecStats.record``); a step's rows are tallied by it (``tally``), since
+    many rows of a large batch verify alike and the engine-wide counts then move once per kind of row."""
+
+    num_drafts: int  # drafts verified
+    num_accepted: int  # of those, accepted
+    num_emitted: int  # tokens emitted
+    depth: int | None = None  # a draft tree's depth (a chain: None)
+
+
+Tally = Counter  # Verified -> rows of a step that verified so
 
 
 @dataclass
@@ -37,23 +52,30 @@ class SpecStats:
         else:
             self.draft_len_history.append([draft_len, 1])
 
-    def record(self, num_drafts: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
-        """One row's verify step: drafts verified, of them accepted, tokens emitted; ``depth``: a draft tree's
-        depth, whose positions are its depths (a chain's are its drafts)."""
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int, depth: int | None = None,
+               times: int = 1) -> None:
+        """``times`` rows' verify steps alike: drafts verified, of them accepted, tokens emitted; ``depth``: a draft
+        tree's depth, whose positions are its depths (a chain's are its drafts)."""
         if num_drafts <= 0:
             return
-        self.num_drafted += num_drafts
-        self.num_accepted += num_accepted
-        self.num_verify_steps += 1
-        self.num_emitted += num_emitted
+        self.num_drafted += num_drafts * times
+        self.num_accepted += num_accepted * times
+        self.num_verify_steps += times
+        self.num_emitted += num_emitted * times
         positions = num_drafts if depth is None else depth
         grow = positions - len(self.drafted_per_pos)
         if grow > 0:
             self.drafted_per_pos += [0] * grow
             self.accepted_per_pos += [0] * grow
         for j in range(positions):
-            self.drafted_per_pos[j] += 1
-            self.accepted_per_pos[j] += j < num_accepted
+            self.drafted_per_pos[j] += times
+            if j < num_accepted:
+                self.accepted_per_pos[j] += times
+
+    def record_tally(self, tally: "Tally[Verified]") -> None:
+        """A step's rows, tallied by how they verified."""
+        for v, n in tally.items():
+            self.record(*v, times=n)
 
     @property
     def acceptance_rate(self) -> float | None:

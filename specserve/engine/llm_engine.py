@@ -14,7 +14,7 @@ import torch
 
 from specserve.cache.kv_cache import BlockPool, KVCache, bytes_per_block, plan_num_blocks
 from specserve.config import EngineArgs, EngineConfig, cdiv
-from specserve.core.metrics import SpecStats
+from specserve.core.metrics import SpecStats, Tally, Verified
 from specserve.core.request import CompletionOutput, Family, Logprob, Request, RequestOutput
 from specserve.distributed import (Commands, TensorParallel, broadcast_object, free_port, from_torchrun,
                                    init_group, rank_device, start_workers)
@@ -35,8 +35,7 @@ log = logging.getLogger("specserve")
 
 
 class Collected(NamedTuple):
-    """One request's part of a collected step (``LLMEngine._collect``), for ``_report`` and the draft length's
-    ``observe``."""
+    """One request's part of a collected step (``LLMEngine._collect``), for ``_report``."""
 
     request: Request
     appended: list[int]  # tokens appended
@@ -361,6 +360,7 @@ class LLMEngine:
         batch = launched.batch
         done = []
         proposed = None
+        tally: Tally[Verified] = Tally()  # the engine's and the draft length's counts move once per kind of row
         for entry, res in self.scheduler.update(batch, self.runner.collect(launched)):
             req = entry.request
             if req.finished:  # aborted while its step ran
@@ -396,8 +396,9 @@ class LLMEngine:
             done.append(Collected(req, appended, entry.num_drafts, res.num_accepted, res.depth))
             if entry.num_drafts > 0:  # counted here, as the draft length's own counts are (``observe`` below), so
                 # that its choice before the next launch sees the rows' counts and the engine's move together
-                req.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended), res.depth)
-                self.spec_stats.record(entry.num_drafts, res.num_accepted, len(appended), res.depth)
+                v = Verified(entry.num_drafts, res.num_accepted, len(appended), res.depth)
+                req.spec_stats.record(*v)
+                tally[v] += 1
             if self.draft_policy is not None and entry.sample:  # the drafts its step proposed
                 req.spec_stats.record_step(entry.next_drafts)
                 proposed = entry.next_drafts
@@ -406,10 +407,12 @@ class LLMEngine:
                 s.request.in_flight = None
             if not s.discard and not s.request.finished:
                 self.scheduler.cache_blocks(s.request)
+        self.spec_stats.record_tally(tally)
         if self.draft_policy is not None and done:
             if proposed is not None:  # a step that sampled for some request still running or ended by it
                 self.spec_stats.record_step(proposed)
-            self.draft_policy.observe(done)  # the gate's counts; a tree's acceptance by kind of step
+            if tally:
+                self.draft_policy.observe(tally)  # its own counts and the gate's; a tree's by kind of step
         return done
 
     def _report(self, req: Request, appended: list[int]) -> RequestOutput | None:

@@ -47,7 +47,7 @@ from typing import Callable
 
 import numpy as np
 
-from specserve.core.metrics import SpecStats
+from specserve.core.metrics import SpecStats, Tally, Verified
 from specserve.runner.cuda_graph import GraphCheck
 from specserve.speculative.step_costs import StepCosts
 
@@ -71,9 +71,10 @@ PROBE_MAX = 1024
 # while a batch's rows stay the same and the engine's verify steps since its expected tokens were computed are at
 # most REUSE_SHARE of those they counted, the tokens are computed again at most every REUSE_STEPS steps (at D = 0 no
 # count moves, and they are reused for good): building them costs the host about 1 us a row (131 us at 128 rows on
-# this project's CPU; a 128-row step is about 2 ms on the H100), and once there is evidence a few steps' more move
-# estimates blended over tens of steps by little (the first steps, where evidence is thin, compute them every step)
-REUSE_STEPS = 8
+# this project's CPU; a 128-row step is about 2 ms on the H100, where the host's work before a step is what a step
+# of that many rows waits for), and once there is evidence a few dozen steps' more move estimates blended over
+# hundreds of steps by little (the first steps, where evidence is thin, compute them every step)
+REUSE_STEPS = 32
 REUSE_SHARE = 1 / 8
 
 
@@ -148,7 +149,7 @@ def prefer_captured(tokens: np.ndarray, seconds: list[float], allowed: int, best
 class _TokensMemo:
     """The last expected tokens (``DraftLenPolicy._expected_tokens``) and what they were computed from."""
 
-    stats: list[SpecStats]  # the rows' counts objects
+    requests: list  # the rows' requests (each keeps its ``spec_stats`` object)
     counts: tuple[int, int, int]  # the engine's verify steps, drafted and accepted
     tokens: np.ndarray  # [D+1]
     reused: int = 0  # steps since they were computed
@@ -284,7 +285,7 @@ class DraftLenPolicy:
         now = time.perf_counter()
         d = self._cap(len(requests))
         if self.adaptive and self.live is not None and d > 0:
-            tokens = self._expected_tokens([r.spec_stats for r in requests])
+            tokens = self._expected_tokens(requests)
             seconds = self.live.row(len(requests))
             best = best_draft_len(tokens, seconds, d, self.last)
             # D = 0's steps verify and draft nothing: plain steps (``Speculator.drafts_nothing``), in the graphs a plain
@@ -320,29 +321,28 @@ class DraftLenPolicy:
         self.periods.launch(self.live if self.timed else None, len(requests), max(d, verifying), generation, now)
         return d
 
-    def _expected_tokens(self, stats: list[SpecStats]) -> np.ndarray:
-        """``expected_tokens`` for these rows, reused while the rows are the same and either the engine's counts
-        (which every request's verification adds to) did not change or they moved little, for fewer than
-        ``REUSE_STEPS`` steps (``REUSE_SHARE``)."""
+    def _expected_tokens(self, requests: list) -> np.ndarray:
+        """``expected_tokens`` for these rows (requests with ``spec_stats``), reused while the rows are the same and
+        either the engine's counts (which every request's verification adds to) did not change or they moved
+        little, for fewer than ``REUSE_STEPS`` steps (``REUSE_SHARE``)."""
         prior = self.prior()
         counts = (prior.num_verify_steps, prior.num_drafted, prior.num_accepted)
         memo = self._tokens_memo
-        # the memo holds the rows' objects: their ids are not reused
-        if memo is not None and len(memo.stats) == len(stats) and all(map(operator.is_, memo.stats, stats)) and (
+        # the memo holds the requests: their ids are not reused
+        if memo is not None and len(memo.requests) == len(requests) and all(map(operator.is_, memo.requests,
+                                                                                requests)) and (
                 memo.counts == counts or (memo.reused < REUSE_STEPS - 1
                                           and 0 <= counts[0] - memo.counts[0] <= REUSE_SHARE * memo.counts[0])):
             memo.reused += 1
             return memo.tokens
-        tokens = expected_tokens(stats, prior, self.max_draft_len)
-        self._tokens_memo = _TokensMemo(stats, counts, tokens)
+        tokens = expected_tokens([r.spec_stats for r in requests], prior, self.max_draft_len)
+        self._tokens_memo = _TokensMemo(list(requests), counts, tokens)
         return tokens
 
-    def observe(self, rows: list) -> None:
-        """A collected step's rows (each with ``num_drafts`` verified, ``num_accepted``, ``appended`` and
-        ``depth``): the engine's counts (the prior) and the gate's."""
-        counts = self.counts
-        for r in rows:
-            if r.num_drafts > 0:
-                counts.record(r.num_drafts, r.num_accepted, len(r.appended), r.depth)
+    def observe(self, tally: Tally[Verified]) -> None:
+        """A collected step's rows, tallied by how they verified (``Verified``: drafts, accepted, emitted, depth):
+        the engine's counts (the prior) and the gate's."""
+        self.counts.record_tally(tally)
         if self.gate is not None:
-            self.gate.observe(sum(r.num_drafts for r in rows), sum(r.num_accepted for r in rows))
+            self.gate.observe(sum(v.num_drafts * n for v, n in tally.items()),
+                              sum(v.num_accepted * n for v, n in tally.items()))

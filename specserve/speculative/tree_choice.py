@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specserve.core.metrics import Tally, Verified
 from specserve.speculative.config import TREE_MAX_BATCH, SpeculativeConfig
 from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepPeriods, best_draft_len, engine_rates
 from specserve.speculative.step_costs import StepCosts
@@ -50,10 +51,10 @@ class _Tally:
     def empty(cls, depth: int) -> "_Tally":
         return cls(np.zeros(depth), np.zeros(depth))
 
-    def add(self, depth: int, accepted: int) -> None:
-        self.drafted_per_pos[:depth] += 1
-        self.accepted_per_pos[:min(accepted, depth)] += 1
-        self.rows += 1
+    def add(self, depth: int, accepted: int, times: int = 1) -> None:
+        self.drafted_per_pos[:depth] += times
+        self.accepted_per_pos[:min(accepted, depth)] += times
+        self.rows += times
         if self.rows > WINDOW:
             self.drafted_per_pos *= 0.5
             self.accepted_per_pos *= 0.5
@@ -144,9 +145,9 @@ class TreeChoice:
         self.periods.launch(self.live if self.timed else None, rows, kind, generation, now)
         return self.num_nodes if kind == TREE else self.draft_len
 
-    def observe(self, rows: list) -> None:
-        """A collected step's rows (``num_drafts`` verified, ``num_accepted``, ``depth`` of what they verified):
-        a row that verified more drafts than its depth verified a tree, the others a chain."""
-        for r in rows:
-            if r.num_drafts > 0 and r.depth:
-                self.counts[TREE if r.num_drafts > r.depth else CHAIN].add(r.depth, r.num_accepted)
+    def observe(self, tally: Tally[Verified]) -> None:
+        """A collected step's rows, tallied by how they verified (``Verified``: drafts, accepted, depth of what
+        they verified): a row that verified more drafts than its depth verified a tree, the others a chain."""
+        for v, n in tally.items():
+            if v.num_drafts > 0 and v.depth:
+                self.counts[TREE if v.num_drafts > v.depth else CHAIN].add(v.depth, v.num_accepted, n)
