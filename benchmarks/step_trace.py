@@ -54,7 +54,7 @@ def trace_engine(llm: LLM, batch: list[dict], sp: SamplingParams, runs: int) -> 
             cur.update(proposed=d, tokens=None if memo is None else [round(float(t), 3) for t in memo.tokens],
                        step_ms=None if policy.live is None else
                        [round(t * 1e3, 3) for t in policy.live.row(len(requests))],
-                       owed_ms=round(sum(policy._owed.values()) * 1e3, 2),
+                       owed_ms=round(sum(policy.rent.owed.values()) * 1e3, 2),
                        graphs="-" if captured is None or captured.layout() is None else
                        "".join("1" if captured.has(k) else "0" for k in range(policy.max_draft_len + 1)))
             return d

@@ -281,7 +281,7 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert any(not have[1] and any(have) for _, have in calls[7:])
     # their losses are counted by what the step's graphs share (a generation step's padded rows and table width, a
     # prompt step's prefill layout), which the runner names
-    assert policy._owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 or k[0].prefill for k in policy._owed)
+    assert policy.rent.owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 or k[0].prefill for k in policy.rent.owed)
 
 
 def test_a_prompt_step_keeps_to_a_draft_length_whose_prefill_graph_exists(dirs, reference, monkeypatch):

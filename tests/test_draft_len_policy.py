@@ -131,7 +131,7 @@ def test_no_drafting_is_never_rented_against():
         drafted_per_pos=[1000] * 4, accepted_per_pos=[0] * 4))
     p.timed = False
     assert p.choose([_Req([], [])], generation=True, captured=GraphCheck(lambda d: d == 4)) == 0
-    assert not p._owed
+    assert not p.rent.owed
     good = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: SpecStats(
         drafted_per_pos=[1000] * 4, accepted_per_pos=[900, 800, 700, 600]))
     good.timed = False
@@ -170,8 +170,8 @@ def test_a_draft_length_without_a_graph_is_rented_until_the_rent_would_have_paid
     assert p.choose(rows[:99], captured=GraphCheck(lambda d: d in (2, 4))) == 2  # other rows: a debt of their own
     assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 4))) == 3  # now the capture has paid
     # D = 3's graph is not there yet (the step that took it verified wider drafts): the debt stands, D = 3 again
-    assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 4))) == 3 and p._owed.get((100, 3), 0) > 0
-    assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 3, 4))) == 3 and not p._owed.get((100, 3))
+    assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 4))) == 3 and p.rent.owed.get((100, 3), 0) > 0
+    assert p.choose(rows, captured=GraphCheck(lambda d: d in (2, 3, 4))) == 3 and not p.rent.owed.get((100, 3))
     # where the runner names the graph's layout (padded rows, table width), the rows that share it share a debt
     shared = DraftLenPolicy(4, adaptive=True, costs=costs, prior=lambda: prior)
     shared.timed = False

@@ -10,7 +10,8 @@ import pytest
 
 from specserve import LLM, SamplingParams, SpeculativeConfig
 from specserve.core.metrics import Tally, Verified
-from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX
+from specserve.runner.cuda_graph import GraphCheck
+from specserve.speculative.draft_len import CAPTURE_SECONDS, PROBE_AFTER, PROBE_MAX
 from specserve.speculative.step_costs import StepCosts, load_or_measure_costs
 from specserve.speculative.tree import tree_layout
 from specserve.speculative.tree_choice import CHAIN, TREE, WINDOW, TreeChoice, measurement_tree
@@ -104,6 +105,34 @@ def test_the_unchosen_kind_is_probed_with_a_doubling_wait():
     assert c.probe_after == PROBE_MAX
 
 
+def test_the_kind_with_a_graph_runs_until_a_capture_has_paid_and_probes_wait_for_a_graph():
+    """A step whose better kind (the tree) has no graph takes the chain, which has one, until the seconds that
+    loses reach a capture's (``CAPTURE_SECONDS``), then the tree; a probe of a kind without a graph waits (until
+    ``PROBE_MAX`` steps); an engine running no graphs probes on time."""
+    c = _choice()
+    c.costs = StepCosts([1], [[1e-3, 1.5e-3]])
+    _steps(c, False, 0, 100)
+    _steps(c, True, 4, 100)  # the tree: 5 tokens / 1.5 ms against about 1 / 1 ms
+    chain_only = GraphCheck(lambda s: s == D, lambda: ("layout", 1))
+    kinds = [c.choose([None], True, chain_only) for _ in range(1000)]
+    rented = kinds.index(N)
+    lost = 1e-3 * (1 - c.expected_tokens()[0] / 1e-3 / (c.expected_tokens()[1] / 1.5e-3))
+    assert abs(rented - CAPTURE_SECONDS / lost) <= 1 and set(kinds[:rented]) == {D}
+    # then the tree (its graph not captured yet: the debt stands), and after PROBE_AFTER steps a probe of the chain
+    assert set(kinds[rented:rented + PROBE_AFTER - 1]) == {N} and c.rent.owed
+    assert kinds[rented + PROBE_AFTER - 1] == D
+    both = GraphCheck(lambda s: True, lambda: ("layout", 1))
+    assert c.choose([None], True, both) == N and not c.rent.owed  # captured: paid off
+    c.run, c.probe_after = 0, PROBE_AFTER
+    tree_only = GraphCheck(lambda s: s == N, lambda: ("layout", 1))
+    kinds = [c.choose([None], True, tree_only) for _ in range(2 * PROBE_AFTER)]
+    assert set(kinds) == {N}  # the chain's probe waits for its graph
+    assert c.choose([None], True, both) == D  # a step that has it probes
+    eager = GraphCheck(lambda s: False, graphed=False)
+    c.run = c.probe_after - 1
+    assert c.choose([None], True, eager) == D
+
+
 def test_counts_follow_the_recent_steps():
     """A kind's counts are halved past ``WINDOW`` rows: a tree that accepted everything for long and nothing since
     is judged mostly by the recent steps."""
@@ -166,8 +195,8 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
     policy, rng, chosen = llm.engine.draft_policy, random.Random(7), []
     choose = policy.choose
 
-    def random_kind(requests, generation=False):
-        choose(requests, generation)  # the policy's own bookkeeping runs too
+    def random_kind(requests, generation=False, captured=None):
+        choose(requests, generation, captured)  # the policy's own bookkeeping runs too
         policy.kind = rng.choice([CHAIN, TREE])
         chosen.append(policy.kind)
         return 8 if policy.kind == TREE else 3

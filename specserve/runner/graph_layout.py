@@ -27,11 +27,12 @@ class GraphKey(NamedTuple):
     size: int  # the record's size (the captured copy fixes it)
 
     @property
-    def kind(self) -> tuple[GraphLayout, int]:
-        """What a choice of draft length asks of the graphs (``CudaGraphs.has``): the layout and the drafts the
-        step proposes a row (-1: a plain step, which a speculative engine's steps that verify and draft nothing
-        are, or a tree's step; its other switches follow the requests, not the choice)."""
-        return self.layout, self.switches.draft_len
+    def kind(self) -> tuple[GraphLayout, int, int]:
+        """What a choice of draft length, or of tree or chain, asks of the graphs (``CudaGraphs.has``): the layout,
+        the drafts the step proposes a row (-1: a plain step, which a speculative engine's steps that verify and
+        draft nothing are, or a tree speculator's step) and the children a node expands (a tree speculator's chain
+        steps: 1); its other switches follow the requests, not the choice."""
+        return self.layout, self.switches.draft_len, self.switches.draft_topk
 
 
 # padding tokens a prefill layout of several rows may hold past twice its real tokens (``_prefill_layout``), which

@@ -185,7 +185,8 @@ class ModelRunner:
                 # overlap scheduler the first of them still continues rows that verify drafts, in the speculator's
                 # graph of D = 0, captured where a layout first needs it)
                 answers[s] = k is not None and self.graphs.has(
-                    (k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]), s or -1))
+                    (k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]),
+                     *self.speculator.graph_switches(s)))
             return answers[s]
         return GraphCheck(has, layout, self.graphs is not None)
 

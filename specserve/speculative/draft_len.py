@@ -145,6 +145,28 @@ def prefer_captured(tokens: np.ndarray, seconds: list[float], allowed: int, best
     return (best, 0.0) if owed + lost >= CAPTURE_SECONDS else (alt, lost)
 
 
+class CaptureRent:
+    """``prefer_captured``'s bookkeeping for a policy: the seconds lost so far by steps of (what their graphs share,
+    best option) that took an option with a graph instead of that best one, which had none; kept until the best
+    one's graph exists (the step that first takes it may still verify wider drafts, in another graph)."""
+
+    def __init__(self) -> None:
+        self.owed: dict[tuple, float] = {}
+
+    def choose(self, tokens: np.ndarray, seconds: list[float], allowed: int, best: int, captured: GraphCheck,
+               has: Callable[[int], bool], rows: int) -> int:
+        """``best``, or the option with a graph that ``prefer_captured`` takes instead while the debt is short of a
+        capture; losses count per graph layout where the step has one (else per row count)."""
+        layout = captured.layout()
+        key = (layout if layout is not None else rows, best)
+        pick, lost = prefer_captured(tokens, seconds, allowed, best, has, self.owed.get(key, 0.0))
+        if lost:
+            self.owed[key] = self.owed.get(key, 0.0) + lost
+        elif has(best):  # paid off
+            self.owed.pop(key, None)
+        return pick
+
+
 @dataclass
 class _TokensMemo:
     """The last expected tokens (``DraftLenPolicy._expected_tokens``) and what they were computed from."""
@@ -228,10 +250,7 @@ class DraftLenPolicy:
         # the last expected tokens and what they were computed from: a step at D = 0 changes no request's counts,
         # so a batch that stays there reuses them instead of rebuilding its [B, D] arrays every step
         self._tokens_memo: _TokensMemo | None = None
-        # seconds lost so far by steps of (what their graphs share, D) that took a D with a graph instead of the best
-        # D, which had none (``prefer_captured``); kept until that D's graph exists (the step that first takes it may
-        # still verify wider drafts, in another graph)
-        self._owed: dict[tuple, float] = {}
+        self.rent = CaptureRent()  # what taking a D with a graph instead of the best D has lost so far
         # observe step periods (``observe``); off under tensor parallelism, where every rank must choose alike
         # and each rank's clock differs
         self.timed = True
@@ -290,14 +309,8 @@ class DraftLenPolicy:
             best = best_draft_len(tokens, seconds, d, self.last)
             # D = 0's steps verify and draft nothing: plain steps (``Speculator.drafts_nothing``), in the graphs a plain
             # engine captures at every layout it meets, so D = 0 is never rented against
-            if captured is not None and best > 0:  # the losses count per graph layout where the step has one
-                layout = captured.layout()
-                key = (layout if layout is not None else len(requests), best)
-                best, lost = prefer_captured(tokens, seconds, d, best, captured.has, self._owed.get(key, 0.0))
-                if lost:
-                    self._owed[key] = self._owed.get(key, 0.0) + lost
-                elif captured.has(key[1]):  # paid off; until then (a wider step runs first) the debt stands
-                    self._owed.pop(key, None)
+            if captured is not None and best > 0:
+                best = self.rent.choose(tokens, seconds, d, best, captured, captured.has, len(requests))
             self.zero_run = self.zero_run + 1 if best == 0 else 0
             if best > 0:
                 self.probe_after = PROBE_AFTER

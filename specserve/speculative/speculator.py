@@ -239,6 +239,11 @@ class Speculator(SpeculatorBase):
         ``max_drafts``), so that a step that drafts fewer costs less and each D has one graph."""
         return 1 + max(max_drafts, self.step_draft_len) if self.policy.varies else self.spec.verify_len
 
+    def graph_switches(self, drafts: int) -> tuple[int, int]:
+        """The switches a step proposing ``drafts`` a row runs with that a choice decides (``GraphKey.kind``):
+        its draft length (-1: a plain step) and the children a node expands."""
+        return drafts or -1, 1
+
     def step_switches(self, switches: StepSwitches) -> StepSwitches:
         """A record's switches with this step's draft length (a record restaged for the same rows keeps the
         others)."""

@@ -103,11 +103,10 @@ class TreeSpeculator(SpeculatorBase):
 
     def plan_step(self, sched, draft_len: int | None = None, captured=None) -> int:
         """Whether a step drafts the tree or a chain (a tree of one child a node, whose next verify step takes
-        1 + D tokens a row): ``TreeChoice``'s choice, or ``draft_len`` where a caller chooses (N: the tree, D: a
-        chain) -> the drafts it proposes a row at most. (``captured``, which graphs exist, is not part of that
-        choice yet: a switch between tree and chain captures its graph the first time.)"""
+        1 + D tokens a row): ``TreeChoice``'s choice (which weighs the graphs ``captured`` has), or ``draft_len``
+        where a caller chooses (N: the tree, D: a chain) -> the drafts it proposes a row at most."""
         if draft_len is None:
-            self.policy.choose([s.request for s in sched], self.generation_step(sched))
+            self.policy.choose([s.request for s in sched], self.generation_step(sched), captured)
             tree = self.policy.kind == TREE
         else:
             tree = draft_len > self.draft_len
@@ -118,6 +117,11 @@ class TreeSpeculator(SpeculatorBase):
         """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a chain step and a tree step
         (``TreeChoice.options``), whose measured costs the choice weighs."""
         return self.policy.options() if graphs and self.spec.measures_tree_costs else None  # None where N = D
+
+    def graph_switches(self, drafts: int) -> tuple[int, int]:
+        """As the chain's: a tree speculator's steps run no draft length switch (-1); ``drafts`` past D draft the
+        tree (``topk`` children a node), else a chain."""
+        return -1, self.topk if drafts > self.draft_len else 1
 
     def step_switches(self, switches: StepSwitches) -> StepSwitches:
         """A record's switches with this step's drafting (tree or chain)."""

@@ -20,6 +20,11 @@ each probe that changed nothing doubles the wait, up to ``PROBE_MAX``. Steps wit
 count towards one (an engine that always has a prompt in flight keeps its estimates until a generation step). A
 tree of N = D nodes verifies as many tokens as the chain: nothing to weigh, the fixed rule decides.
 
+Graphs: each (rows, table width) has a graph per kind, and a capture mid-run costs some 0.1 s, more than a kind's
+edge wins over a short run. So, as a chain's adaptive draft length does (``draft_len.prefer_captured``), a step
+whose better kind has no graph yet takes the kind that has one until the seconds that loses reach a capture's, and
+a probe waits for a step whose graph the other kind has (or for ``PROBE_MAX`` steps).
+
 Outputs never depend on the choice: the target decides every token, whatever a step verifies.
 """
 
@@ -32,7 +37,9 @@ import numpy as np
 
 from specserve.core.metrics import Tally, Verified
 from specserve.speculative.config import TREE_MAX_BATCH, SpeculativeConfig
-from specserve.speculative.draft_len import PROBE_AFTER, PROBE_MAX, StepPeriods, best_draft_len, engine_rates
+from specserve.runner.cuda_graph import GraphCheck
+from specserve.speculative.draft_len import (PROBE_AFTER, PROBE_MAX, CaptureRent, StepPeriods, best_draft_len,
+                                             engine_rates)
 from specserve.speculative.step_costs import StepCosts
 
 CHAIN, TREE = 0, 1  # the columns of the step costs, and the kinds of step
@@ -95,6 +102,7 @@ class TreeChoice:
         self.probe_after = PROBE_AFTER
         self.timed = True  # observe step periods (off under tensor parallelism: ranks must choose alike)
         self.periods = StepPeriods()
+        self.rent = CaptureRent()  # what taking the kind with a graph instead of the better one has lost so far
 
     @property
     def costs(self) -> StepCosts | None:
@@ -124,21 +132,32 @@ class TreeChoice:
             out.append(1.0 + rate.sum())
         return np.array(out)
 
-    def choose(self, requests: list, generation: bool = False) -> int:
+    def choose(self, requests: list, generation: bool = False, captured: GraphCheck | None = None) -> int:
         """The kind of a step of these rows (``kind``) -> the drafts it proposes a row: N (a tree) or D (a
-        chain). ``generation``: every row verifies and samples; only such steps count towards a probe."""
+        chain). ``generation``: every row verifies and samples; only such steps count towards a probe.
+        ``captured``: which kinds have the step's graph (None: no graph step); as for a chain's draft length, the
+        kind with a graph runs instead of a better one without, until what that loses reaches a capture's cost
+        (``CaptureRent``), and a probe waits for a step whose graph the other kind has (until ``PROBE_MAX``)."""
         now, rows = time.perf_counter(), len(requests)
         if self.live is None:  # the fixed rule
             cap = self.spec.tree_max_batch_size
             kind = TREE if rows <= (TREE_MAX_BATCH if cap is None else cap) else CHAIN
         else:
-            kind = best = best_draft_len(self.expected_tokens(), self.live.row(rows), TREE, self.last)
+            drafts = (self.draft_len, self.num_nodes)  # by kind
+            has = (lambda k: True) if captured is None or not captured.graphed else (
+                lambda k: captured.has(drafts[k]))
+            tokens, seconds = self.expected_tokens(), self.live.row(rows)
+            kind = best = best_draft_len(tokens, seconds, TREE, self.last)
+            if captured is not None:
+                kind = best = self.rent.choose(tokens, seconds, TREE, best, captured, has, rows)
             if generation:
                 self.run = self.run + 1 if best == self.last else 1
                 if best != self.last:
                     self.probe_after = PROBE_AFTER
                 self.last = best
-                if self.run >= self.probe_after:  # a probe of the other kind, this step only
+                # a probe of the other kind, this step only, where its graph exists (a capture mid-run costs more
+                # than a probe finds) or the wait has reached PROBE_MAX
+                if self.run >= self.probe_after and (has(1 - best) or self.run >= PROBE_MAX):
                     self.run, kind = 0, 1 - best
                     self.probe_after = min(2 * self.probe_after, PROBE_MAX)
         self.kind = kind
