@@ -284,6 +284,32 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert policy.rent.owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 or k[0].prefill for k in policy.rent.owed)
 
 
+def test_a_launch_reads_its_rows_table_width_once(dirs, reference):
+    """The draft length's graph check and the step's graph layout both need a generation step's table width (two
+    passes over every row): inside one launch it is computed once, and afresh for the next launch's rows."""
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    prompts, ref, refs = reference
+    sc = dict(SPECS["eagle3-oracle"], draft_model=str(dirs / "eagle3"), adaptive_draft_len=True)
+    llm = LLM(str(dirs / "target"), device="cpu", dtype="float32", speculative_config=sc, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    llm.engine.draft_policy.costs = StepCosts([8], [[1.0, 1.1, 1.2, 1.3]])
+    widths, table_width, launches, launch = [], runner._table_width, [], runner.launch
+    runner._table_width = lambda sched: widths.append(len(sched)) or table_width(sched)
+
+    def counted(batch, draft_len=None):
+        gen, before = all(map(runner._generation_row, batch.scheduled)), len(widths)
+        out = launch(batch, draft_len)
+        launches.append((gen, len(widths) - before))
+        return out
+
+    runner.launch = counted
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    gen = [n for g, n in launches if g]
+    assert len(gen) > 10 and set(gen) == {1}
+
+
 def test_a_prompt_step_keeps_to_a_draft_length_whose_prefill_graph_exists(dirs, reference, monkeypatch):
     """A prompt step's graph (a prefill layout) is captured per D too (D is its switch): once the best D changes, a
     prompt step whose layout has a graph for another D takes that D rather than capture one mid-run (emulated

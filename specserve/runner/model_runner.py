@@ -78,11 +78,26 @@ class ModelRunner:
         row; rows with fewer drafts, near their end, pad)."""
         if self.graphs is None:
             return None
-        if all(self._generation_row(s) for s in batch.scheduled):
+        width = self._generation_width(batch)
+        if width is not None:
             spec = self.speculator
             q = 1 if spec is None else spec.verify_q(max(s.num_drafts for s in batch.scheduled))
-            return self._layout(batch, q)
+            rows = self.graphs.padded_rows(len(batch.scheduled))
+            return None if rows is None else GraphLayout(rows, q, width)
         return self._prefill_layout(batch)
+
+    def _generation_width(self, batch: SchedulerOutput) -> int | None:
+        """A generation step's table width (``_table_width``), or None where a row is no generation row. Inside
+        ``launch`` computed once for its batch: the draft policy's graph check and the step's layout both ask, and
+        each answer is two passes over every row (some 20 us at 128 rows on the host, before every step)."""
+        memo = self._width_memo
+        if memo is not None and memo[0] is batch:
+            return memo[1]
+        sched = batch.scheduled
+        width = self._table_width(sched) if all(map(self._generation_row, sched)) else None
+        if memo is not None:  # inside launch
+            self._width_memo = (batch, width)
+        return width
 
     @staticmethod
     def _generation_row(s: ScheduledRequest) -> bool:
@@ -167,11 +182,12 @@ class ModelRunner:
         def layout() -> tuple[int, int] | GraphLayout | None:
             if not shared:
                 sched = batch.scheduled
+                width = None if self.graphs is None else self._generation_width(batch)
                 if self.graphs is None:
                     shared.append(None)
-                elif all(map(self._generation_row, sched)):
+                elif width is not None:
                     rows = self.graphs.padded_rows(len(sched))
-                    shared.append(None if rows is None else (rows, self._table_width(sched)))
+                    shared.append(None if rows is None else (rows, width))
                 else:
                     shared.append(self._prefill_layout(batch))
             return shared[0]
@@ -232,6 +248,7 @@ class ModelRunner:
         # capture_graphs False (enforce_eager): the same padded layouts, run without capture, so that turning
         # graphs off changes nothing but the launches (on bf16 weights a GEMM's row count can pick its kernel)
         self.graphs = CudaGraphs(rows, self._staging_buffers(), capture=capture_graphs) if rows else None
+        self._width_memo: tuple | None = None  # (batch, its generation table width) inside ``launch``
         self.packed = PackedSteps(self._ints, self._floats, self.block_size, self.table_lookahead, self.vocab_size,
                                   self.sliding_window, attention_backend, overlap, self.causal_prompts)
         self._last_record: _LastRecord | None = None
@@ -351,6 +368,13 @@ class ModelRunner:
         the GPU machine that costs a few milliseconds where one eager step costs about 14; such a step is
         collected group by group here (two groups can replay one graph, whose output buffer the second rewrites).
         ``draft_len``: the drafts the step proposes, instead of the speculator's choice (step-cost measurements)."""
+        self._width_memo = (None, None)  # ``_generation_width`` keeps its answer for this batch until the launch ends
+        try:
+            return self._plan_and_launch(batch, draft_len)
+        finally:
+            self._width_memo = None
+
+    def _plan_and_launch(self, batch: SchedulerOutput, draft_len: int | None) -> Launched:
         spec = self.speculator
         if spec is not None:  # the drafts this step proposes (a tree or a chain; the draft length)
             most = spec.plan_step(batch.scheduled, draft_len, self._graph_check(batch))
