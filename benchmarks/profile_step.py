@@ -128,8 +128,8 @@ def main() -> None:
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--forced-acceptance", type=float, default=None)
     ap.add_argument("--tree", default=None, metavar="KxDxN[:B]",
-                    help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`; :B the tree "
-                         "at up to B rows, without it each step the tree or the chain by measured cost)")
+                    help="draft a tree of top-K children a node, depth D, N nodes (as `specserve bench --tree`; :B the "
+                         "tree at up to B rows, without it each step the tree or the chain by measured cost)")
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--adaptive-draft-len", action="store_true",
                     help="the adaptive draft length (the steps it chooses; --zero-drafts profiles steps of D = 0)")

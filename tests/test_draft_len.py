@@ -281,7 +281,8 @@ def test_the_engine_keeps_to_draft_lengths_whose_graphs_exist(dirs, reference, m
     assert any(not have[1] and any(have) for _, have in calls[7:])
     # their losses are counted by what the step's graphs share (a generation step's padded rows and table width, a
     # prompt step's prefill layout), which the runner names
-    assert policy.rent.owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 or k[0].prefill for k in policy.rent.owed)
+    owed = policy.rent.owed
+    assert owed and all(isinstance(k[0], tuple) and len(k[0]) == 2 or k[0].prefill for k in owed)
 
 
 def test_a_launch_reads_its_rows_table_width_once(dirs, reference):

@@ -183,8 +183,8 @@ def test_cuda_draft_trees_of_24_nodes_at_32_rows_under_overlap(tmp_path_factory)
     policy, steps = llm.engine.draft_policy, []
     choose = policy.choose
 
-    def alternate(requests, generation=False, captured=None):  # two tree steps, then a chain step: rows continue
-        choose(requests, generation, captured)  # either kind
+    def alternate(requests, generation=False, captured=None, verifying=0):  # two tree steps, then a chain
+        choose(requests, generation, captured, verifying)  # step: rows continue either kind
         steps.append(1)
         policy.kind = CHAIN if len(steps) % 3 == 0 else TREE
         return policy.num_nodes if policy.kind == TREE else policy.draft_len

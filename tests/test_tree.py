@@ -143,10 +143,17 @@ def test_a_tree_of_one_child_per_node_is_the_chain(dirs, head):
 
 
 @pytest.mark.parametrize("head", ["eagle3", "mtp"])
-def test_a_trees_chain_steps_are_the_chain(dirs, head):
+def test_a_trees_chain_steps_are_the_chain(dirs, head, monkeypatch):
     """A tree engine's steps that draft a chain (here every step: ``tree_max_batch_size`` 0) draft what the chain
-    engine of the same D drafts, through the head's argmax rather than the tree's ranking: step by step the same
-    drafts, and the same tokens and counts."""
+    engine of the same D drafts, through the head's argmax rather than the tree's ranking (which they never run):
+    step by step the same drafts, and the same tokens and counts."""
+    import specserve.speculative.tree as tree_module
+
+    def no_ranking(*args, **kwargs):
+        raise AssertionError("a chain step ran the tree's expansion")
+
+    monkeypatch.setattr(tree_module, "expand_depth", no_ranking)
+    monkeypatch.setattr(tree_module, "select_tree", no_ranking)
     spec = dict(method="eagle3" if head == "eagle3" else "mtp", draft_model=str(dirs / head), max_draft_len=3)
     runs = []
     for topk in (1, 3):

@@ -105,32 +105,33 @@ def test_the_unchosen_kind_is_probed_with_a_doubling_wait():
     assert c.probe_after == PROBE_MAX
 
 
-def test_the_kind_with_a_graph_runs_until_a_capture_has_paid_and_probes_wait_for_a_graph():
-    """A step whose better kind (the tree) has no graph takes the chain, which has one, until the seconds that
-    loses reach a capture's (``CAPTURE_SECONDS``), then the tree; a probe of a kind without a graph waits (until
-    ``PROBE_MAX`` steps); an engine running no graphs probes on time."""
+def test_the_kind_with_graphs_runs_until_a_capture_has_paid_and_probes_wait_for_theirs():
+    """A step whose better kind (the tree) lacks a graph it would run takes the chain, whose graphs exist, until
+    the seconds that loses reach a capture's (``CAPTURE_SECONDS``); switching needs the switch step's graph (the
+    width the rows verify, the new kind's drafting) and the new kind's own; a probe needs its step's graph and the
+    step's after it (back, at the probed kind's width); an engine running no graphs probes on time."""
     c = _choice()
     c.costs = StepCosts([1], [[1e-3, 1.5e-3]])
     _steps(c, False, 0, 100)
     _steps(c, True, 4, 100)  # the tree: 5 tokens / 1.5 ms against about 1 / 1 ms
-    chain_only = GraphCheck(lambda s: s == D, lambda: ("layout", 1))
-    kinds = [c.choose([None], True, chain_only) for _ in range(1000)]
+
+    def check(*have):  # the (q, drafts) graphs of the step's rows that exist
+        return GraphCheck(lambda s: (1 + s, s) in have, lambda: ("layout", 1), runs=lambda q, s: (q, s) in have)
+
+    chain, tree = (1 + D, D), (1 + N, N)
+    to_tree, to_chain = (1 + D, N), (1 + N, D)  # switch steps: one kind's width, the other's drafting
+    # rows verifying chains, the tree's own graph there but not the switch step's: the chain runs until paid
+    kinds = [c.choose([None], True, check(chain, tree), D) for _ in range(1000)]
     rented = kinds.index(N)
     lost = 1e-3 * (1 - c.expected_tokens()[0] / 1e-3 / (c.expected_tokens()[1] / 1.5e-3))
-    assert abs(rented - CAPTURE_SECONDS / lost) <= 1 and set(kinds[:rented]) == {D}
-    # then the tree (its graph not captured yet: the debt stands), and after PROBE_AFTER steps a probe of the chain
-    assert set(kinds[rented:rented + PROBE_AFTER - 1]) == {N} and c.rent.owed
-    assert kinds[rented + PROBE_AFTER - 1] == D
-    both = GraphCheck(lambda s: True, lambda: ("layout", 1))
-    assert c.choose([None], True, both) == N and not c.rent.owed  # captured: paid off
+    assert abs(rented - CAPTURE_SECONDS / lost) <= 1 and set(kinds[:rented]) == {D} and c.rent.owed
+    assert c.choose([None], True, check(chain, tree, to_tree), N) == N and not c.rent.owed  # captured: paid off
     c.run, c.probe_after = 0, PROBE_AFTER
-    tree_only = GraphCheck(lambda s: s == N, lambda: ("layout", 1))
-    kinds = [c.choose([None], True, tree_only) for _ in range(2 * PROBE_AFTER)]
-    assert set(kinds) == {N}  # the chain's probe waits for its graph
-    assert c.choose([None], True, both) == D  # a step that has it probes
-    eager = GraphCheck(lambda s: False, graphed=False)
+    kinds = [c.choose([None], True, check(chain, tree, to_chain), N) for _ in range(2 * PROBE_AFTER)]
+    assert set(kinds) == {N}  # rows verifying trees: the step back after a chain probe has no graph, so it waits
+    assert c.choose([None], True, check(chain, tree, to_chain, to_tree), N) == D  # a step with both probes
     c.run = c.probe_after - 1
-    assert c.choose([None], True, eager) == D
+    assert c.choose([None], True, GraphCheck(lambda s: False, graphed=False), N) == D
 
 
 def test_counts_follow_the_recent_steps():
@@ -195,8 +196,8 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
     policy, rng, chosen = llm.engine.draft_policy, random.Random(7), []
     choose = policy.choose
 
-    def random_kind(requests, generation=False, captured=None):
-        choose(requests, generation, captured)  # the policy's own bookkeeping runs too
+    def random_kind(requests, generation=False, captured=None, verifying=0):
+        choose(requests, generation, captured, verifying)  # the policy's own bookkeeping runs too
         policy.kind = rng.choice([CHAIN, TREE])
         chosen.append(policy.kind)
         return 8 if policy.kind == TREE else 3
@@ -208,6 +209,39 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
     assert chain.rows > 0 and tree.rows > 0  # observed by kind of step
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
     assert not graphs or runner.graphs.steps > 0  # the graph layouts ran (rows that fit no graph run packed)
+
+
+def test_the_graph_a_step_runs_is_the_one_its_choice_asked_about(dirs):
+    """Switching between tree and chain, a step runs the graph of the width its rows verify (the kind the step
+    before drafted) and of the drafting it chose: the graph that ``GraphCheck.runs`` names for that pair, which the
+    choice's rent and probes ask about."""
+    from specserve.runner.cuda_graph import CudaGraphs
+    from specserve.runner.graph_layout import GraphLayout
+
+    llm = _tree_llm(dirs)
+    runner = llm.engine.runner
+    runner.graphs = graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+    policy, rng, asked, ran = llm.engine.draft_policy, random.Random(3), [], []
+    choose, run = policy.choose, graphs.run
+
+    def random_kind(requests, generation=False, captured=None, verifying=0):
+        choose(requests, generation, captured, verifying)
+        policy.kind = rng.choice([CHAIN, TREE])
+        shared = captured.layout()
+        if generation and isinstance(shared, tuple):  # a generation step's graph: its rows' width, this drafting
+            q = 1 + (policy.num_nodes if verifying > policy.draft_len else policy.draft_len)
+            asked.append((GraphLayout(shared[0], q, shared[1]), -1, 3 if policy.kind == TREE else 1))
+        else:
+            asked.append(None)
+        return policy.num_nodes if policy.kind == TREE else policy.draft_len
+
+    policy.choose = random_kind
+    graphs.run = lambda key, *a, **kw: ran.append(key.kind) or run(key, *a, **kw)
+    llm.generate(PROMPTS, GREEDY)
+    pairs = [(a, r) for a, r in zip(asked, ran) if a is not None]
+    assert len(asked) == len(ran) and len(pairs) > 10 and all(a == r for a, r in pairs)
+    switches = {(a[0].q, a[2]) for a, _ in pairs}
+    assert {(1 + policy.draft_len, 3), (1 + policy.num_nodes, 1)} <= switches  # both kinds of switch step ran
 
 
 def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs, tmp_path):

@@ -39,6 +39,36 @@ class GraphCheck:
     # whether the engine runs graphs at all (False: no step captures anything; a graph engine's step of no layout
     # still runs its generation rows in a graph of their own)
     graphed: bool = True
+    # whether the step's graph exists with q tokens a row while proposing s drafts (``has(s)`` is ``runs(1 + s,
+    # s)``, the graph of the steps that keep s): a tree's steps that switch between tree and chain run a graph of
+    # one kind's width and the other's drafting
+    runs: Callable[[int, int], bool] = lambda q, s: False
+
+
+def graph_check(graphs: "CudaGraphs | None", shared: Callable[[], Hashable | None],
+                switches: Callable[[int], tuple[int, int]]) -> GraphCheck:
+    """A step's ``GraphCheck`` over ``graphs`` (None: no graphs): ``shared()`` is what its graphs share (a
+    generation step's (padded rows, table width), a prompt step's prefill ``GraphLayout``, or None), asked once;
+    ``switches(s)`` the draft-length and top-k switches of a step proposing s drafts (``GraphKey.kind``)."""
+    from specserve.runner.graph_layout import GraphLayout
+
+    memo: list = []
+
+    def layout() -> Hashable | None:
+        if not memo:
+            memo.append(shared())
+        return memo[0]
+
+    answers: dict[tuple[int, int], bool] = {}  # a choice asks about each (q, s) more than once
+
+    def runs(q: int, s: int) -> bool:
+        if (q, s) not in answers:
+            k = layout()
+            answers[q, s] = k is not None and graphs.has(
+                (k if isinstance(k, GraphLayout) else GraphLayout(k[0], q, k[1]), *switches(s)))
+        return answers[q, s]
+
+    return GraphCheck(lambda s: runs(1 + s, s), layout, graphs is not None, runs)
 
 
 class CudaGraphs:
@@ -60,7 +90,8 @@ class CudaGraphs:
 
     def has(self, kind) -> bool:
         """Whether a step of ``kind`` costs no capture: a graph of a key of that kind (a runner's ``GraphKey.kind``:
-        its layout and draft length, whatever its other switches; another key: itself) is captured and the staging
+        its layout, draft length and top-k switches, whatever its sampling switches; another key: itself) is
+        captured and the staging
         buffers have not moved since. Without capture (enforce_eager, CPU tests), whether a step of it ran since
         they last moved: the same answers as with capture, so that choices made on them (the draft length) stay
         the same."""

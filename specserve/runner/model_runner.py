@@ -20,7 +20,7 @@ from specserve.config import cdiv
 from specserve.kernels.step_inputs import correct_record, expand_record
 from specserve.models.attention import AttentionMetadata, causal_prompts
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.cuda_graph import CudaGraphs, GraphCheck
+from specserve.runner.cuda_graph import CudaGraphs, GraphCheck, graph_check
 from specserve.runner.graph_layout import PREFILL_PAD_SLACK, GraphKey, GraphLayout, prefill_q
 from specserve.runner.graph_inputs import (Record, RestageState, record_views, restage_record, row_fields,
                                            stage_record)
@@ -172,39 +172,21 @@ class ModelRunner:
         return max(width, need)
 
     def _graph_check(self, batch: SchedulerOutput) -> GraphCheck:
-        """For the draft length's choice: whether the step of these rows has its graph for proposing s drafts a row
-        (``CudaGraphs.has``): a generation step's layout of 1 + s tokens a row, or the prefill layout of rows that
-        end their prompts, with s as its switch (False where the step is no such graph step); and what every s's
-        graph of the step shares (the generation layout's padded rows and table width, or the prefill layout;
-        None where it is no such step), computed once, on the first call."""
-        shared: list[tuple[int, int] | GraphLayout | None] = []
-
-        def layout() -> tuple[int, int] | GraphLayout | None:
-            if not shared:
-                sched = batch.scheduled
-                width = None if self.graphs is None else self._generation_width(batch)
-                if self.graphs is None:
-                    shared.append(None)
-                elif width is not None:
-                    rows = self.graphs.padded_rows(len(sched))
-                    shared.append(None if rows is None else (rows, width))
-                else:
-                    shared.append(self._prefill_layout(batch))
-            return shared[0]
-
-        answers: dict[int, bool] = {}  # by s: a choice asks about each s more than once
-
-        def has(s: int) -> bool:
-            if s not in answers:
-                k = layout()
-                # a choice of 0 commits the steps after it to plain steps (``Speculator.drafts_nothing``; under the
-                # overlap scheduler the first of them still continues rows that verify drafts, in the speculator's
-                # graph of D = 0, captured where a layout first needs it)
-                answers[s] = k is not None and self.graphs.has(
-                    (k if isinstance(k, GraphLayout) else GraphLayout(k[0], 1 + s, k[1]),
-                     *self.speculator.graph_switches(s)))
-            return answers[s]
-        return GraphCheck(has, layout, self.graphs is not None)
+        """For the draft policy's choice: which graphs of these rows exist (``cuda_graph.graph_check``): what every
+        choice's graph of the step shares is the generation layout's padded rows and table width, or the prefill
+        layout of rows that end their prompts (None where the step is no such graph step), computed at most once.
+        A choice of 0 commits the steps after it to plain steps (``Speculator.drafts_nothing``; under the overlap
+        scheduler the first of them still continues rows that verify drafts, in the speculator's graph of D = 0,
+        captured where a layout first needs it)."""
+        def shared() -> tuple[int, int] | GraphLayout | None:
+            if self.graphs is None:
+                return None
+            width = self._generation_width(batch)
+            if width is None:
+                return self._prefill_layout(batch)
+            rows = self.graphs.padded_rows(len(batch.scheduled))
+            return None if rows is None else (rows, width)
+        return graph_check(self.graphs, shared, self.speculator.graph_switches)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,

@@ -71,9 +71,9 @@ PROBE_MAX = 1024
 # while a batch's rows stay the same and the engine's verify steps since its expected tokens were computed are at
 # most REUSE_SHARE of those they counted, the tokens are computed again at most every REUSE_STEPS steps (at D = 0 no
 # count moves, and they are reused for good): building them costs the host about 1 us a row (131 us at 128 rows on
-# this project's CPU; a 128-row step is about 2 ms on the H100, where the host's work before a step is what a step
-# of that many rows waits for), and once there is evidence a few dozen steps' more move estimates blended over
-# hundreds of steps by little (the first steps, where evidence is thin, compute them every step)
+# this project's CPU; a 128-row step is about 2 ms on the H100, and at that size the host's work before a step
+# likely sets the pace), and once there is evidence a few dozen steps' more move estimates blended over hundreds of
+# steps by little (the first steps, where evidence is thin, compute them every step)
 REUSE_STEPS = 32
 REUSE_SHARE = 1 / 8
 

@@ -105,8 +105,9 @@ class TreeSpeculator(SpeculatorBase):
         """Whether a step drafts the tree or a chain (a tree of one child a node, whose next verify step takes
         1 + D tokens a row): ``TreeChoice``'s choice (which weighs the graphs ``captured`` has), or ``draft_len``
         where a caller chooses (N: the tree, D: a chain) -> the drafts it proposes a row at most."""
-        if draft_len is None:
-            self.policy.choose([s.request for s in sched], self.generation_step(sched), captured)
+        if draft_len is None:  # the rows verify the kind of drafts the step before proposed: its width
+            widest = max((s.num_drafts for s in sched), default=0)
+            self.policy.choose([s.request for s in sched], self.generation_step(sched), captured, widest)
             tree = self.policy.kind == TREE
         else:
             tree = draft_len > self.draft_len

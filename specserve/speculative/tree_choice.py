@@ -20,10 +20,13 @@ each probe that changed nothing doubles the wait, up to ``PROBE_MAX``. Steps wit
 count towards one (an engine that always has a prompt in flight keeps its estimates until a generation step). A
 tree of N = D nodes verifies as many tokens as the chain: nothing to weigh, the fixed rule decides.
 
-Graphs: each (rows, table width) has a graph per kind, and a capture mid-run costs some 0.1 s, more than a kind's
-edge wins over a short run. So, as a chain's adaptive draft length does (``draft_len.prefer_captured``), a step
-whose better kind has no graph yet takes the kind that has one until the seconds that loses reach a capture's, and
-a probe waits for a step whose graph the other kind has (or for ``PROBE_MAX`` steps).
+Graphs: a step's graph is fixed by the width its rows verify (the kind the step before drafted: 1 + D or 1 + N
+tokens a row) and by the kind it drafts, so each (rows, table width) has four: two kinds, and two steps that switch
+between them. A capture mid-run costs some 0.1 s, more than a kind's edge wins over a short run. So, as a chain's
+adaptive draft length does (``draft_len.prefer_captured``), a step whose better kind lacks a graph it would run
+(this switch step's, or that kind's own) takes the kind whose graphs exist until the seconds that loses reach a
+capture's, and a probe waits for a step where both graphs it runs exist (its own, and the step's after it, back at
+the probed kind's width), or for ``PROBE_MAX`` steps.
 
 Outputs never depend on the choice: the target decides every token, whatever a step verifies.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -132,20 +136,25 @@ class TreeChoice:
             out.append(1.0 + rate.sum())
         return np.array(out)
 
-    def choose(self, requests: list, generation: bool = False, captured: GraphCheck | None = None) -> int:
+    def choose(self, requests: list, generation: bool = False, captured: GraphCheck | None = None,
+               verifying: int = 0) -> int:
         """The kind of a step of these rows (``kind``) -> the drafts it proposes a row: N (a tree) or D (a
         chain). ``generation``: every row verifies and samples; only such steps count towards a probe.
-        ``captured``: which kinds have the step's graph (None: no graph step); as for a chain's draft length, the
-        kind with a graph runs instead of a better one without, until what that loses reaches a capture's cost
-        (``CaptureRent``), and a probe waits for a step whose graph the other kind has (until ``PROBE_MAX``)."""
+        ``verifying``: the most drafts a row verifies (more than D: the rows verify a tree, and the step runs as
+        wide as one). ``captured``: which graphs of the step's rows exist (None: no graph step); the kind whose
+        graphs exist runs instead of a better one without until what that loses reaches a capture's cost
+        (``CaptureRent``), and a probe waits for a step where its graphs exist (until ``PROBE_MAX``)."""
         now, rows = time.perf_counter(), len(requests)
         if self.live is None:  # the fixed rule
             cap = self.spec.tree_max_batch_size
             kind = TREE if rows <= (TREE_MAX_BATCH if cap is None else cap) else CHAIN
         else:
-            drafts = (self.draft_len, self.num_nodes)  # by kind
-            has = (lambda k: True) if captured is None or not captured.graphed else (
-                lambda k: captured.has(drafts[k]))
+            runs = self._graphs(captured)
+            now_kind = TREE if verifying > self.draft_len else CHAIN  # the width the rows verify at
+
+            def has(k: int) -> bool:  # taking kind k from here: this step's graph, then its own steps'
+                return runs(now_kind, k) and runs(k, k)
+
             tokens, seconds = self.expected_tokens(), self.live.row(rows)
             kind = best = best_draft_len(tokens, seconds, TREE, self.last)
             if captured is not None:
@@ -155,14 +164,26 @@ class TreeChoice:
                 if best != self.last:
                     self.probe_after = PROBE_AFTER
                 self.last = best
-                # a probe of the other kind, this step only, where its graph exists (a capture mid-run costs more
-                # than a probe finds) or the wait has reached PROBE_MAX
-                if self.run >= self.probe_after and (has(1 - best) or self.run >= PROBE_MAX):
-                    self.run, kind = 0, 1 - best
+                # a probe of the other kind, this step only, where its step's graph and the step's after it (back
+                # to this kind, at the other's width) exist (a capture mid-run costs more than a probe finds), or
+                # once the wait reaches PROBE_MAX
+                other = 1 - best
+                if self.run >= self.probe_after and (runs(now_kind, other) and runs(other, best)
+                                                     or self.run >= PROBE_MAX):
+                    self.run, kind = 0, other
                     self.probe_after = min(2 * self.probe_after, PROBE_MAX)
         self.kind = kind
         self.periods.launch(self.live if self.timed else None, rows, kind, generation, now)
         return self.num_nodes if kind == TREE else self.draft_len
+
+    def _graphs(self, captured: GraphCheck | None) -> Callable[[int, int], bool]:
+        """Whether the step's graph exists as wide as one kind verifies and drafting another: (width kind,
+        drafting kind) -> bool (always where the engine runs no graphs)."""
+        if captured is None or not captured.graphed:
+            return lambda width, drafting: True
+        q = (1 + self.draft_len, 1 + self.num_nodes)
+        drafts = (self.draft_len, self.num_nodes)
+        return lambda width, drafting: captured.runs(q[width], drafts[drafting])
 
     def observe(self, tally: Tally[Verified]) -> None:
         """A collected step's rows, tallied by how they verified (``Verified``: drafts, accepted, depth of what
