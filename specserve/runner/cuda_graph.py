@@ -18,6 +18,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from specserve.runner.graph_layout import GraphLayout
+
 log = logging.getLogger("specserve")
 
 
@@ -50,8 +52,6 @@ def graph_check(graphs: "CudaGraphs | None", shared: Callable[[], Hashable | Non
     """A step's ``GraphCheck`` over ``graphs`` (None: no graphs): ``shared()`` is what its graphs share (a
     generation step's (padded rows, table width), a prompt step's prefill ``GraphLayout``, or None), asked once;
     ``switches(s)`` the draft-length and top-k switches of a step proposing s drafts (``GraphKey.kind``)."""
-    from specserve.runner.graph_layout import GraphLayout
-
     memo: list = []
 
     def layout() -> Hashable | None:
