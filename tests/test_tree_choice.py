@@ -125,13 +125,28 @@ def test_the_kind_with_graphs_runs_until_a_capture_has_paid_and_probes_wait_for_
     rented = kinds.index(N)
     lost = 1e-3 * (1 - c.expected_tokens()[0] / 1e-3 / (c.expected_tokens()[1] / 1.5e-3))
     assert abs(rented - CAPTURE_SECONDS / lost) <= 1 and set(kinds[:rented]) == {D} and c.rent.owed
-    assert c.choose([None], True, check(chain, tree, to_tree), N) == N and not c.rent.owed  # captured: paid off
+    # at a chain's width the switch step's graph decides: without it the debt stands, with it it is paid (the
+    # chain's probe, waiting for that graph since, held off here)
+    c.run = 0
+    assert c.choose([None], True, check(chain, tree), D) == N and c.rent.owed
+    assert c.choose([None], True, check(chain, tree, to_tree), D) == N and not c.rent.owed
     c.run, c.probe_after = 0, PROBE_AFTER
     kinds = [c.choose([None], True, check(chain, tree, to_chain), N) for _ in range(2 * PROBE_AFTER)]
     assert set(kinds) == {N}  # rows verifying trees: the step back after a chain probe has no graph, so it waits
+    c.run = PROBE_AFTER  # and a step that lacks the probe's own graph (a tree's width, drafting a chain) waits too
+    assert c.choose([None], True, check(chain, tree, to_tree), N) == N
     assert c.choose([None], True, check(chain, tree, to_chain, to_tree), N) == D  # a step with both probes
     c.run = c.probe_after - 1
     assert c.choose([None], True, GraphCheck(lambda s: False, graphed=False), N) == D
+    # the chain the better kind: at a tree's width the switch step (drafting a chain) lacks its graph, so the
+    # tree is rented, and at a chain's width (its own graphs there) the chain runs
+    worse = _choice()
+    worse.costs = StepCosts([1], [[1e-3, 1.5e-3]])
+    _steps(worse, False, 4, 100)
+    _steps(worse, True, 0, 100)
+    assert worse.choose([None], True, check(chain, tree, to_tree), N) == N and worse.rent.owed
+    assert worse.choose([None], True, check(chain, tree, to_tree), D) == D
+    assert GraphCheck(lambda s: s == D).graph_runs(1 + D, D) and not GraphCheck(lambda s: True).graph_runs(9, D)
 
 
 def test_counts_follow_the_recent_steps():
@@ -211,36 +226,43 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
     assert not graphs or runner.graphs.steps > 0  # the graph layouts ran (rows that fit no graph run packed)
 
 
-def test_the_graph_a_step_runs_is_the_one_its_choice_asked_about(dirs):
-    """Switching between tree and chain, a step runs the graph of the width its rows verify (the kind the step
-    before drafted) and of the drafting it chose: the graph that ``GraphCheck.runs`` names for that pair, which the
-    choice's rent and probes ask about."""
-    from specserve.runner.cuda_graph import CudaGraphs
-    from specserve.runner.graph_layout import GraphLayout
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_graph_a_step_runs_is_the_one_its_choice_asked_about(dirs, overlap):
+    """Switching between tree and chain, a generation step runs the graph that ``GraphCheck.runs`` asks the graphs
+    about for the width its rows verify (``verifying``: the kind the step before drafted) and the drafting it
+    chose, the question the choice's rent and probes put."""
+    from specserve.runner.cuda_graph import CudaGraphs, graph_check
 
-    llm = _tree_llm(dirs)
-    runner = llm.engine.runner
+    llm = _tree_llm(dirs, overlap_scheduler=overlap)
+    runner, spec = llm.engine.runner, llm.engine.runner.speculator
     runner.graphs = graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
-    policy, rng, asked, ran = llm.engine.draft_policy, random.Random(3), [], []
-    choose, run = policy.choose, graphs.run
+    policy, rng, steps, ran = llm.engine.draft_policy, random.Random(3), [], []
+    choose, run, launch, has = policy.choose, graphs.run, runner.launch, graphs.has
 
     def random_kind(requests, generation=False, captured=None, verifying=0):
         choose(requests, generation, captured, verifying)
         policy.kind = rng.choice([CHAIN, TREE])
-        shared = captured.layout()
-        if generation and isinstance(shared, tuple):  # a generation step's graph: its rows' width, this drafting
-            q = 1 + (policy.num_nodes if verifying > policy.draft_len else policy.draft_len)
-            asked.append((GraphLayout(shared[0], q, shared[1]), -1, 3 if policy.kind == TREE else 1))
-        else:
-            asked.append(None)
-        return policy.num_nodes if policy.kind == TREE else policy.draft_len
+        drafts = policy.num_nodes if policy.kind == TREE else policy.draft_len
+        q = 1 + (policy.num_nodes if verifying > policy.draft_len else policy.draft_len)
+        asked = []
+        graphs.has = lambda kind: asked.append(kind) or has(kind)
+        graph_check(graphs, captured.layout, spec.graph_switches).runs(q, drafts)  # a fresh check: no memo
+        graphs.has = has
+        steps.append(asked[0] if generation and isinstance(captured.layout(), tuple) else None)
+        return drafts
 
-    policy.choose = random_kind
+    def launched(batch, draft_len=None):
+        ran.clear()
+        out = launch(batch, draft_len)
+        steps[-1] = (steps[-1], list(ran))
+        return out
+
+    policy.choose, runner.launch = random_kind, launched
     graphs.run = lambda key, *a, **kw: ran.append(key.kind) or run(key, *a, **kw)
     llm.generate(PROMPTS, GREEDY)
-    pairs = [(a, r) for a, r in zip(asked, ran) if a is not None]
-    assert len(asked) == len(ran) and len(pairs) > 10 and all(a == r for a, r in pairs)
-    switches = {(a[0].q, a[2]) for a, _ in pairs}
+    pairs = [(asked, kinds[0]) for asked, kinds in steps if asked is not None]
+    assert len(pairs) > 10 and all(asked == first for asked, first in pairs)
+    switches = {(asked[0].q, asked[2]) for asked, _ in pairs}
     assert {(1 + policy.draft_len, 3), (1 + policy.num_nodes, 1)} <= switches  # both kinds of switch step ran
 
 

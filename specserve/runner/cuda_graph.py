@@ -41,10 +41,15 @@ class GraphCheck:
     # whether the engine runs graphs at all (False: no step captures anything; a graph engine's step of no layout
     # still runs its generation rows in a graph of their own)
     graphed: bool = True
-    # whether the step's graph exists with q tokens a row while proposing s drafts (``has(s)`` is ``runs(1 + s,
-    # s)``, the graph of the steps that keep s): a tree's steps that switch between tree and chain run a graph of
-    # one kind's width and the other's drafting
-    runs: Callable[[int, int], bool] = lambda q, s: False
+    # whether the step's graph exists with q tokens a row while proposing s drafts (a prefill layout's q is its
+    # own: q is not read there); ``has(s)`` is ``runs(1 + s, s)``, the graph of the steps that keep s, and a tree's
+    # steps that switch between tree and chain run a graph of one kind's width and the other's drafting. None:
+    # only ``has`` is known (``runs`` then answers it where q is 1 + s, and no other width)
+    runs: Callable[[int, int], bool] | None = None
+
+    def graph_runs(self, q: int, s: int) -> bool:
+        """``runs(q, s)``, or where only ``has`` is given, ``has(s)`` for q = 1 + s."""
+        return self.runs(q, s) if self.runs is not None else q == 1 + s and self.has(s)
 
 
 def graph_check(graphs: "CudaGraphs | None", shared: Callable[[], Hashable | None],
@@ -91,10 +96,9 @@ class CudaGraphs:
     def has(self, kind) -> bool:
         """Whether a step of ``kind`` costs no capture: a graph of a key of that kind (a runner's ``GraphKey.kind``:
         its layout, draft length and top-k switches, whatever its sampling switches; another key: itself) is
-        captured and the staging
-        buffers have not moved since. Without capture (enforce_eager, CPU tests), whether a step of it ran since
-        they last moved: the same answers as with capture, so that choices made on them (the draft length) stay
-        the same."""
+        captured and the staging buffers have not moved since. Without capture (enforce_eager, CPU tests), whether
+        a step of it ran since they last moved: the same answers as with capture, so that choices made on them
+        (the draft length, tree or chain) stay the same."""
         return kind in self._kinds and tuple(s.generation for s in self._staging) == self._generation
 
     @property

@@ -148,7 +148,9 @@ def prefer_captured(tokens: np.ndarray, seconds: list[float], allowed: int, best
 class CaptureRent:
     """``prefer_captured``'s bookkeeping for a policy: the seconds lost so far by steps of (what their graphs share,
     best option) that took an option with a graph instead of that best one, which had none; kept until the best
-    one's graph exists (the step that first takes it may still verify wider drafts, in another graph)."""
+    one's graph exists (the step that first takes it may still verify wider drafts, in another graph). The key
+    leaves out the width the rows verify: a tree's debt is cleared where the tree's graphs exist at the tree's
+    width, though the switch step's from a chain's width may still be missing (one capture, once a layout)."""
 
     def __init__(self) -> None:
         self.owed: dict[tuple, float] = {}

@@ -183,7 +183,7 @@ class TreeChoice:
             return lambda width, drafting: True
         q = (1 + self.draft_len, 1 + self.num_nodes)
         drafts = (self.draft_len, self.num_nodes)
-        return lambda width, drafting: captured.runs(q[width], drafts[drafting])
+        return lambda width, drafting: captured.graph_runs(q[width], drafts[drafting])
 
     def observe(self, tally: Tally[Verified]) -> None:
         """A collected step's rows, tallied by how they verified (``Verified``: drafts, accepted, depth of what
