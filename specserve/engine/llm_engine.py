@@ -39,9 +39,6 @@ class Collected(NamedTuple):
 
     request: Request
     appended: list[int]  # tokens appended
-    num_drafts: int  # drafts verified
-    num_accepted: int  # drafts accepted
-    depth: int | None  # a verified tree's depth
 
 
 class LLMEngine:
@@ -340,7 +337,7 @@ class LLMEngine:
             if not done:
                 raise error
             self._error = error
-        reported = [(x.request, o) for x in done if (o := self._report(x.request, x.appended)) is not None]
+        reported = [(x.request, o) for x in done if (o := self._report(*x)) is not None]
         # a family whose last completions ended in this step is reported finished once, by its last output (and a
         # FINAL_ONLY family by that output alone)
         last = {o.request_id: i for i, (_, o) in enumerate(reported)}
@@ -393,7 +390,7 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 if req.family is not None and req.family.finished:
                     self.families.pop(req.family.request_id, None)
-            done.append(Collected(req, appended, entry.num_drafts, res.num_accepted, res.depth))
+            done.append(Collected(req, appended))
             if entry.num_drafts > 0:  # counted here, as the draft length's own counts are (``observe`` below), so
                 # that its choice before the next launch sees the rows' counts and the engine's move together
                 v = Verified(entry.num_drafts, res.num_accepted, len(appended), res.depth)

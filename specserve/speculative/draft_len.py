@@ -235,7 +235,7 @@ class AcceptanceGate:
 
 class DraftLenPolicy:
     """The drafts each step proposes (module docstring). ``choose`` runs on the host at each launch; ``observe``
-    takes each collected step's rows (drafted, accepted, emitted: the engine's counts, the prior, and the gate's).
+    takes each collected step's rows, tallied (drafted, accepted, emitted: its own counts, the prior, and the gate's).
     ``prior``: other counts to blend requests' with instead of those (tests)."""
 
     def __init__(self, max_draft_len: int, schedule: dict[int, int] | None = None, adaptive: bool = False,
