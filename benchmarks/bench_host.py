@@ -9,7 +9,7 @@ views and the ops that expand them, run here eagerly on the CPU, timed separatel
 figure. Last, the heap's size and what a full collection of it costs unfrozen.
 
     python benchmarks/bench_host.py [--batch 1 64] [--steps 200] [--prompt-len 5] [--whole-record] [--final-only]
-        [--zero-drafts]
+        [--zero-drafts | --adaptive]
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def main() -> None:
     ap.add_argument("--zero-drafts", action="store_true",
                     help="speculation with the adaptive draft length held at D = 0 (its probes aside): what a step "
                          "that drafts nothing adds over a plain engine's")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="speculation with the adaptive draft length drafting (costs under which D = 4 pays): what "
+                         "its choice adds to a step over a fixed D's")
     ap.add_argument("--whole-record", action="store_true",
                     help="stage every graph step's whole record (no in-place rewrite of the step before's)")
     a = ap.parse_args()
@@ -53,10 +56,13 @@ def main() -> None:
     for spec in (False, True):
         llm = LLM(str(root / "t"), device="cpu", dtype="float32", max_num_seqs=max(a.batch),
                   speculative_config=dict(method="eagle3", draft_model=str(root / "e3"), max_draft_len=4,
-                                          adaptive_draft_len=a.zero_drafts) if spec else None)
+                                          adaptive_draft_len=a.zero_drafts or a.adaptive) if spec else None)
         eng, runner = llm.engine, llm.engine.runner
         if spec and a.zero_drafts:  # costs under which drafting never pays
             runner.speculator.policy.costs = StepCosts([max(a.batch)], [[1e-3] + [1.0] * 4])
+        if spec and a.adaptive:  # every D costs the same: the longest, of the most tokens, is chosen
+            runner.speculator.policy.costs = StepCosts([max(a.batch)], [[1e-3] * 5])
+            runner.speculator.policy.timed = False  # the costs as given
         runner.graphs = CudaGraphs(max(a.batch), runner._staging_buffers(), capture=False)
         real = runner.launch
         for b in a.batch:
@@ -69,8 +75,10 @@ def main() -> None:
             t_views: list[float] = []
 
             def stub(batch):
-                if spec:  # the drafts the step proposes, as the runner's launch chooses them
-                    most = runner.speculator.plan_step(batch.scheduled)
+                if spec:  # the drafts the step proposes, as the runner's launch chooses them (which graphs exist and
+                    # the rows' table width, kept for the launch's layout, included)
+                    runner._width_memo = (None, None)
+                    most = runner.speculator.plan_step(batch.scheduled, None, runner._graph_check(batch))
                     for s in batch.scheduled:
                         s.next_drafts = most
                 if a.whole_record:
@@ -83,6 +91,7 @@ def main() -> None:
                 t_in.append(t1 - t0)
                 runner.graph_batch(rec, switches, layout, batch.scheduled, step_spec)
                 t_views.append(time.perf_counter() - t1)
+                runner._width_memo = None
                 return Launched(batch, None, [RowResult([7] * 3, [1, 2, 3, 4], s.num_drafts, 2)
                                               if spec and s.next_drafts > 0 else
                                               RowResult([7], [], s.num_drafts, 0) if spec else RowResult([7])
