@@ -20,7 +20,7 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
   kernels      tests/test_kernels.py -m gpu in TEST_N (8) pytest-xdist workers, since compiling is most of it
                (TEST_K="..." passes -k; 420 s)
   graphtests   tests/test_cuda_graph.py -m gpu (graphs equal eager steps; TEST_K as above; 320 s)
-  gputests     tests/test_gpu.py -m gpu (the real model on CUDA; 200 s)
+  gputests     tests/test_gpu.py -m gpu (the real model on CUDA; TEST_K as above; 200 s)
  benchmarks (`specserve bench`; the shipped EAGLE-3 head, or HEAD=DIR; D = 4; greedy; bench.json/md/png)
   hewhole      all 164 HumanEval prompts at batch 1 (.traindata/HumanEval.jsonl.gz), plain and EAGLE-3
                alternating ROUNDS (3) times; 40 + 110 x ROUNDS s
@@ -245,7 +245,7 @@ for st in "$@"; do
            fi ;;
     kernels) vtest "$(lim ${TEST_S:-420})" tests/test_kernels.py -n "${TEST_N:-8}" ${TEST_K:+-k "$TEST_K"} ;;
     graphtests) SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-320})" tests/test_cuda_graph.py ${TEST_K:+-k "$TEST_K"} ;;
-    gputests) need_model && SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-200})" tests/test_gpu.py ;;
+    gputests) need_model && SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-200})" tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} ;;
     hewhole) need_model && bench "$(lim $((40 + 110 * ${ROUNDS:-3})))" --model $M --draft $HEAD --draft-len 4 \
                --batch-size 1 --prompts $D/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 100000 --repeats 1 \
                --rounds "${ROUNDS:-3}" --out $OUT/hewhole | tail -12 ;;
