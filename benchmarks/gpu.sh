@@ -245,7 +245,8 @@ for st in "$@"; do
            fi ;;
     kernels) vtest "$(lim ${TEST_S:-420})" tests/test_kernels.py -n "${TEST_N:-8}" ${TEST_K:+-k "$TEST_K"} ;;
     graphtests) SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-320})" tests/test_cuda_graph.py ${TEST_K:+-k "$TEST_K"} ;;
-    gputests) need_model && SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-200})" tests/test_gpu.py ${TEST_K:+-k "$TEST_K"} ;;
+    gputests) need_model && SPECSERVE_TEST_GGUF=$M vtest "$(lim ${TEST_S:-200})" tests/test_gpu.py \
+                ${TEST_K:+-k "$TEST_K"} ;;
     hewhole) need_model && bench "$(lim $((40 + 110 * ${ROUNDS:-3})))" --model $M --draft $HEAD --draft-len 4 \
                --batch-size 1 --prompts $D/HumanEval.jsonl.gz --max-tokens 256 --num-prompts 100000 --repeats 1 \
                --rounds "${ROUNDS:-3}" --out $OUT/hewhole | tail -12 ;;
