@@ -76,15 +76,23 @@ class ModelRunner:
         """The CUDA-graph layout of a generation step (or of rows ending their prompts), or None to run eagerly. In a
         generation step every row samples after one known token, verifying its drafts (1 + D tokens per
         row; rows with fewer drafts, near their end, pad)."""
+        shared = self._graph_shared(batch)
+        if not isinstance(shared, tuple):
+            return shared
+        spec = self.speculator
+        q = 1 if spec is None else spec.verify_q(max(s.num_drafts for s in batch.scheduled))
+        return GraphLayout(shared[0], q, shared[1])
+
+    def _graph_shared(self, batch: SchedulerOutput) -> tuple[int, int] | GraphLayout | None:
+        """What every graph of this step shares, whatever it drafts: a generation step's (padded rows, table
+        width), the prefill layout of rows that end their prompts, or None (no graph step)."""
         if self.graphs is None:
             return None
         width = self._generation_width(batch)
-        if width is not None:
-            spec = self.speculator
-            q = 1 if spec is None else spec.verify_q(max(s.num_drafts for s in batch.scheduled))
-            rows = self.graphs.padded_rows(len(batch.scheduled))
-            return None if rows is None else GraphLayout(rows, q, width)
-        return self._prefill_layout(batch)
+        if width is None:
+            return self._prefill_layout(batch)
+        rows = self.graphs.padded_rows(len(batch.scheduled))
+        return None if rows is None else (rows, width)
 
     def _generation_width(self, batch: SchedulerOutput) -> int | None:
         """A generation step's table width (``_table_width``), or None where a row is no generation row. Inside
@@ -172,21 +180,11 @@ class ModelRunner:
         return max(width, need)
 
     def _graph_check(self, batch: SchedulerOutput) -> GraphCheck:
-        """For the draft policy's choice: which graphs of these rows exist (``cuda_graph.graph_check``): what every
-        choice's graph of the step shares is the generation layout's padded rows and table width, or the prefill
-        layout of rows that end their prompts (None where the step is no such graph step), computed at most once.
-        A choice of 0 commits the steps after it to plain steps (``Speculator.drafts_nothing``; under the overlap
+        """For the draft policy's choice: which graphs of these rows exist (``cuda_graph.graph_check`` over
+        ``_graph_shared``, computed at most once). A choice of 0 commits the steps after it to plain steps (``Speculator.drafts_nothing``; under the overlap
         scheduler the first of them still continues rows that verify drafts, in the speculator's graph of D = 0,
         captured where a layout first needs it)."""
-        def shared() -> tuple[int, int] | GraphLayout | None:
-            if self.graphs is None:
-                return None
-            width = self._generation_width(batch)
-            if width is None:
-                return self._prefill_layout(batch)
-            rows = self.graphs.padded_rows(len(batch.scheduled))
-            return None if rows is None else (rows, width)
-        return graph_check(self.graphs, shared, self.speculator.graph_switches)
+        return graph_check(self.graphs, lambda: self._graph_shared(batch), self.speculator.graph_switches)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,
                  max_model_len: int | None = None, cuda_graph_max_rows: int = 0,
