@@ -178,16 +178,18 @@ def test_cuda_draft_trees_of_24_nodes_at_32_rows_under_overlap(tmp_path_factory)
     plain = [o.token_ids for o in LLM(str(d / "t"), **common).generate(prompts, sp)]
     spec = dict(method="eagle3", draft_model=str(d / "h"), max_draft_len=6, topk=4, max_total_draft_tokens=24)
     llm = LLM(str(d / "t"), speculative_config=spec, overlap_scheduler=True, **common)
-    from specserve.speculative.tree_choice import CHAIN, TREE
-
     policy, steps = llm.engine.draft_policy, []
     choose = policy.choose
 
-    def alternate(requests, generation=False, captured=None, verifying=0):  # two tree steps, then a chain
+    # the tree (24), then chains of 1..6 drafts longer and shorter than the one before, runs of one length
+    pattern = [24, 2, 5, 1, 24, 6, 3, 3, 4, 24, 1, 1]
+
+    def alternate(requests, generation=False, captured=None, verifying=0):
         choose(requests, generation, captured, verifying)  # step: rows continue either kind
         steps.append(1)
-        policy.kind = CHAIN if len(steps) % 3 == 0 else TREE
-        return policy.num_nodes if policy.kind == TREE else policy.draft_len
+        drafts = pattern[len(steps) % len(pattern)]
+        policy.option = policy.tree_option if drafts == 24 else drafts - 1
+        return drafts
 
     policy.choose = alternate
     for rows in (16, 32):
@@ -195,5 +197,5 @@ def test_cuda_draft_trees_of_24_nodes_at_32_rows_under_overlap(tmp_path_factory)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == plain, rows
     torch.cuda.synchronize()
     by_len = llm.engine.spec_stats.steps_by_draft_len
-    assert len(by_len) > 24 and by_len[6] > 0 and by_len[24] > 0, by_len  # chain steps (6 drafts), trees (24)
+    assert len(by_len) > 24 and all(by_len[1:7]) and by_len[24] > 0, by_len  # chains of 1..6 drafts, trees (24)
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable

@@ -14,7 +14,7 @@ from specserve.runner.cuda_graph import GraphCheck
 from specserve.speculative.draft_len import CAPTURE_SECONDS, PROBE_AFTER, PROBE_MAX
 from specserve.speculative.step_costs import StepCosts, load_or_measure_costs
 from specserve.speculative.tree import tree_layout
-from specserve.speculative.tree_choice import CHAIN, TREE, WINDOW, TreeChoice, measurement_tree
+from specserve.speculative.tree_choice import TREE, WINDOW, TreeChoice, measurement_tree
 from test_tree import _tree_llm as tree_llm, dirs  # noqa: F401 (dirs: test_tree's target and heads)
 from tiny_models import PROMPTS
 
@@ -50,102 +50,127 @@ def test_the_measured_tree_is_one_the_expansion_could_draft(shape):
         assert {p for p in parents if p in cols} <= set(cols[:k])
 
 
+def _costs(rows: list[int], chain: list[list[float]], tree: list[float]) -> StepCosts:
+    """Step costs by rows: chains of 1..D drafts, then the tree."""
+    return StepCosts(rows, [c + [t] for c, t in zip(chain, tree)])
+
+
 def test_the_choice_weighs_acceptance_against_measured_costs():
-    """The H100's figures: at batch 1 a 4x6x24 tree step cost 2.4x a chain step's and accepted 4.1 tokens to the
-    chain's 2.5 (a tree of lower cost pays, that one does not); at 32 rows it cost 1.9x for 2.8 tokens (chain)."""
+    """The H100's figures at D = 4: at batch 1 a 4x6x24 tree step cost 2.4x a chain step's and accepted 4.1 tokens
+    to the chain's 2.5 (a tree of lower cost pays, that one does not); at 32 rows each depth of a chain costs more,
+    and a chain shorter than D takes most tokens a second where acceptance falls with depth."""
     c = _choice()
-    c.costs = StepCosts([1, 32], [[0.69e-3, 1.0e-3], [1.69e-3, 3.26e-3]])
-    _steps(c, False, 2, 200)  # the chain: ~2.5 tokens
+    c.costs = _costs([1, 32], [[0.66e-3, 0.67e-3, 0.68e-3, 0.69e-3], [1.3e-3, 1.6e-3, 1.9e-3, 2.2e-3]],
+                     [1.0e-3, 3.26e-3])
+    for accepted in range(D + 1):  # the chain: depth j accepted in (D + 1 - j) / (D + 1) of the rows
+        _steps(c, False, accepted, 200)
     _steps(c, True, 3, 100)
     _steps(c, True, 4, 100)  # the tree: 4.5 tokens
     tok = c.expected_tokens()
-    assert tok[0] == pytest.approx(3.0, abs=0.05) and tok[1] == pytest.approx(4.5, abs=0.05)
-    assert c.choose([None]) == N  # 4.5 / 1.0 beats 3.0 / 0.69
-    assert c.choose([None] * 32) == D  # 4.5 / 3.26 loses to 3.0 / 1.69
-    c.costs = StepCosts([1], [[0.69e-3, 1.2e-3]])  # a dearer tree: 4.5 / 1.2 loses at batch 1 too
+    assert tok == pytest.approx([1.8, 2.4, 2.8, 3.0, 4.5], abs=0.02)
+    assert c.choose([None]) == N and c.tree  # 4.5 / 1.0 beats 3.0 / 0.69
+    assert c.choose([None] * 32) == 2 and not c.tree  # 2.4 / 1.6 beats 1.8 / 1.3, 2.8 / 1.9, the tree's 4.5 / 3.26
+    c.costs = _costs([1], [[0.66e-3, 0.67e-3, 0.68e-3, 0.69e-3]], [1.2e-3])  # a dearer tree loses at batch 1 too
     assert c.choose([None]) == D
-    with pytest.raises(ValueError, match="two kinds"):
-        c.costs = StepCosts([1], [[1.0, 1.0, 1.0]])
+    with pytest.raises(ValueError, match="a column per option"):
+        c.costs = StepCosts([1], [[1.0, 1.0]])
 
 
 def test_each_kind_is_tried_early_and_kept_only_while_its_counts_bear_it_out():
-    """Both kinds start optimistic (every depth accepted): the cheaper chain goes first; once its counts show
-    little acceptance the tree (still at its prior) is tried, and dropped again when its own counts show no more;
-    a tree that accepts well is kept."""
+    """Both kinds start optimistic (every depth accepted): the longest chain goes first; once its counts show
+    little acceptance the tree (still at its prior) is tried, and dropped again for the shortest chain when its own
+    counts show no more; a tree that accepts well is kept."""
     c = _choice()
-    c.costs = StepCosts([4], [[1.0, 1.5]])
+    costs = _costs([4], [[0.85, 0.9, 0.95, 1.0]], [1.5])
+    c.costs = costs
     rows = [None] * 4
     assert c.choose(rows) == D
     _steps(c, False, 0, 8, rows=4)  # the chain accepts nothing
-    assert c.choose(rows) == N  # 5 / 1.5 over ~1.5 / 1.0
+    assert c.choose(rows) == N  # 5 / 1.5 over ~1.1 / 0.85
     _steps(c, True, 0, 20, rows=4)
-    assert c.choose(rows) == D
+    assert c.choose(rows) == 1  # nothing accepted anywhere: the cheapest chain
     good = _choice()
-    good.costs = StepCosts([4], [[1.0, 1.5]])
+    good.costs = costs
     _steps(good, False, 1, 50, rows=4)
     _steps(good, True, 4, 50, rows=4)
     assert {good.choose(rows, True) for _ in range(10)} == {N}
 
 
 def test_the_unchosen_kind_is_probed_with_a_doubling_wait():
+    """Where the tree runs the best chain is probed (and the tree where a chain runs); moving between chain
+    lengths does not restart the wait."""
     c = _choice()
-    c.costs = StepCosts([1], [[1.0, 1.5]])
+    c.costs = _costs([1], [[0.9, 0.93, 0.97, 1.0]], [1.5])
     _steps(c, False, 0, 100)
     _steps(c, True, 4, 100)
     assert {c.choose([None]) for _ in range(3 * PROBE_AFTER)} == {N}  # prompt steps never probe
     chosen = [c.choose([None], True) for _ in range(8 * PROBE_AFTER)]
-    probes = [i for i, x in enumerate(chosen) if x == D]
+    probes = [i for i, x in enumerate(chosen) if x != N]
     assert probes == [PROBE_AFTER - 1, 3 * PROBE_AFTER - 1, 7 * PROBE_AFTER - 1]
+    assert {chosen[i] for i in probes} == {1}  # the chain of most tokens a second: accepting nothing, the cheapest
     assert c.probe_after == 8 * PROBE_AFTER
     _steps(c, True, 0, 2000)  # the tree stops paying: the choice moves and the wait starts over
-    assert c.choose([None], True) == D and c.probe_after == PROBE_AFTER
+    assert c.choose([None], True) == 1 and c.probe_after == PROBE_AFTER
+    _steps(c, False, D, 400)  # the chain accepts everything now: the longest, the same kind's wait goes on
+    run = c.run
+    assert c.choose([None], True) == D and c.run == run + 1
     for _ in range(20):
         c.run = c.probe_after
         c.choose([None], True)
     assert c.probe_after == PROBE_MAX
 
 
-def test_the_kind_with_graphs_runs_until_a_capture_has_paid_and_probes_wait_for_theirs():
-    """A step whose better kind (the tree) lacks a graph it would run takes the chain, whose graphs exist, until
-    the seconds that loses reach a capture's (``CAPTURE_SECONDS``); switching needs the switch step's graph (the
-    width the rows verify, the new kind's drafting) and the new kind's own; a probe needs its step's graph and the
-    step's after it (back, at the probed kind's width); an engine running no graphs probes on time."""
+def test_each_option_runs_the_graph_its_widths_give():
+    """A step runs as wide as its rows verify: a chain longer than chosen where they verify one, the tree's width
+    where it drafts the tree or where they verify it (drafting a chain of D: the one switch graph)."""
     c = _choice()
-    c.costs = StepCosts([1], [[1e-3, 1.5e-3]])
+    tree, chain = c.tree_option, lambda d: d - 1
+    assert c.step_graph(1, tree) == c.step_graph(N, tree) == (1 + N, N)
+    assert c.step_graph(3, chain(1)) == (4, 3) and c.step_graph(1, chain(3)) == (4, 3)
+    assert c.step_graph(0, chain(2)) == (3, 2) and c.step_graph(N, chain(1)) == (1 + N, D)
+    assert c._column_run(3, chain(1)) == chain(3) and c._column_run(2, tree) == tree
+    assert c._column_run(N, chain(2)) == -1  # the switch step's period is no option's cost
+
+
+def test_the_kind_with_graphs_runs_until_a_capture_has_paid_and_probes_wait_for_theirs():
+    """A step whose better option (the tree) lacks a graph it would run takes the chain whose graphs exist, until
+    the seconds that loses reach a capture's (``CAPTURE_SECONDS``); from the tree's width a chain needs the switch
+    graph (drafting a chain of D there) and its own; a probe needs its step's graph and the step's after it (back,
+    from the probed option's width); an engine running no graphs probes on time."""
+    c = _choice()
+    costs = _costs([1], [[0.9e-3, 0.95e-3, 1e-3, 1.05e-3]], [1.5e-3])
+    c.costs = costs
     _steps(c, False, 0, 100)
-    _steps(c, True, 4, 100)  # the tree: 5 tokens / 1.5 ms against about 1 / 1 ms
+    _steps(c, True, 4, 100)  # the tree: 5 tokens / 1.5 ms against about 1.04 / 0.9 ms (a chain of 1)
 
     def check(*have):  # the (q, drafts) graphs of the step's rows that exist
         return GraphCheck(lambda s: (1 + s, s) in have, lambda: ("layout", 1), runs=lambda q, s: (q, s) in have)
 
-    chain, tree = (1 + D, D), (1 + N, N)
-    to_tree, to_chain = (1 + D, N), (1 + N, D)  # switch steps: one kind's width, the other's drafting
-    # rows verifying chains, the tree's own graph there but not the switch step's: the chain runs until paid
-    kinds = [c.choose([None], True, check(chain, tree), D) for _ in range(1000)]
+    one, four, tree, switch = (2, 1), (1 + D, D), (1 + N, N), (1 + N, D)
+    # rows verifying a chain of 1, the tree's graph missing: the chain of 1 runs until paid
+    kinds = [c.choose([None], True, check(one), 1) for _ in range(1000)]
     rented = kinds.index(N)
-    lost = 1e-3 * (1 - c.expected_tokens()[0] / 1e-3 / (c.expected_tokens()[1] / 1.5e-3))
-    assert abs(rented - CAPTURE_SECONDS / lost) <= 1 and set(kinds[:rented]) == {D} and c.rent.owed
-    # at a chain's width the switch step's graph decides: without it the debt stands, with it it is paid (the
-    # chain's probe, waiting for that graph since, held off here)
-    c.run = 0
-    assert c.choose([None], True, check(chain, tree), D) == N and c.rent.owed
-    assert c.choose([None], True, check(chain, tree, to_tree), D) == N and not c.rent.owed
+    tok = c.expected_tokens()
+    lost = 0.9e-3 * (1 - tok[0] / 0.9e-3 / (tok[-1] / 1.5e-3))
+    assert abs(rented - CAPTURE_SECONDS / lost) <= 1 and set(kinds[:rented]) == {1} and c.rent.owed
+    c.run = 0  # (the chain's probe, waiting for the tree's graph since, held off here)
+    assert c.choose([None], True, check(one, tree), 1) == N and not c.rent.owed  # the tree's graph: paid
     c.run, c.probe_after = 0, PROBE_AFTER
-    kinds = [c.choose([None], True, check(chain, tree, to_chain), N) for _ in range(2 * PROBE_AFTER)]
-    assert set(kinds) == {N}  # rows verifying trees: the step back after a chain probe has no graph, so it waits
-    c.run = PROBE_AFTER  # and a step that lacks the probe's own graph (a tree's width, drafting a chain) waits too
-    assert c.choose([None], True, check(chain, tree, to_tree), N) == N
-    assert c.choose([None], True, check(chain, tree, to_chain, to_tree), N) == D  # a step with both probes
+    kinds = [c.choose([None], True, check(one, tree), N) for _ in range(2 * PROBE_AFTER)]
+    assert set(kinds) == {N}  # rows verifying trees: the probe's step (drafting a chain there) has no graph
+    c.run = PROBE_AFTER
+    assert c.choose([None], True, check(one, tree, switch), N) == 1  # with it, the chain of 1 is probed
     c.run = c.probe_after - 1
-    assert c.choose([None], True, GraphCheck(lambda s: False, graphed=False), N) == D
-    # the chain the better kind: at a tree's width the switch step (drafting a chain) lacks its graph, so the
-    # tree is rented, and at a chain's width (its own graphs there) the chain runs
+    assert c.choose([None], True, GraphCheck(lambda s: False, graphed=False), N) == 1
+    # a chain the better option: at the tree's width the switch step lacks its graph, so the tree is rented, and
+    # at a chain's width (its own graphs there) the chain runs
     worse = _choice()
-    worse.costs = StepCosts([1], [[1e-3, 1.5e-3]])
+    worse.costs = costs
     _steps(worse, False, 4, 100)
     _steps(worse, True, 0, 100)
-    assert worse.choose([None], True, check(chain, tree, to_tree), N) == N and worse.rent.owed
-    assert worse.choose([None], True, check(chain, tree, to_tree), D) == D
+    assert worse.choose([None], True, check(four, tree), N) == N and worse.rent.owed
+    assert worse.choose([None], True, check(four, tree), D) == D
+    assert worse.choose([None], True, check(four, tree, switch), N) == D
     assert GraphCheck(lambda s: s == D).graph_runs(1 + D, D) and not GraphCheck(lambda s: True).graph_runs(9, D)
 
 
@@ -155,14 +180,14 @@ def test_counts_follow_the_recent_steps():
     c = _choice()
     _steps(c, True, D, WINDOW)
     _steps(c, True, 0, 2 * WINDOW)
-    assert c.counts[1].rows <= WINDOW and c.expected_tokens()[1] < 1.5
+    assert c.counts[TREE].rows <= WINDOW and c.expected_tokens()[-1] < 1.5
 
 
 def test_a_tree_of_depth_many_nodes_still_drafts_a_tree(dirs):
     """N = D: the tree verifies as many tokens as the chain, so nothing is measured and the fixed rule drafts the
     tree (its topk children a node) at few rows."""
     c = TreeChoice(SpeculativeConfig(draft_model="random", max_draft_len=3, topk=2, max_total_draft_tokens=3))
-    assert c.options() is None and c.choose([None]) == 3 and c.kind == TREE
+    assert c.options() is None and c.choose([None]) == 3 and c.tree
     plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
     reference = [o.token_ids for o in plain.generate(PROMPTS[:3], GREEDY)]
     llm = _tree_llm(dirs, n=3)
@@ -180,13 +205,14 @@ def test_a_tree_of_depth_many_nodes_still_drafts_a_tree(dirs):
     assert set(topks) == {3}
 
 
-def test_without_costs_the_fixed_rule_holds_and_the_options_are_a_chain_and_the_tree():
+def test_without_costs_the_fixed_rule_holds_and_the_options_are_the_chains_and_the_tree():
     c = _choice()  # tree_max_batch_size None: costs measured where the engine has graphs, TREE_MAX_BATCH elsewhere
     assert [c.choose([None] * b) for b in (1, 8, 9)] == [N, N, D]
     fixed = _choice(tree_max_batch_size=2)
     assert [fixed.choose([None] * b) for b in (2, 3)] == [N, D]
     opts = c.options()
-    assert list(opts) == [D, N] and opts[D] == [0, 1, 2, 3] and opts[N] == measurement_tree(3, D, N)
+    assert list(opts) == [1, 2, 3, D, N] and opts[D] == [0, 1, 2, 3] and opts[1] == [0]
+    assert opts[N] == measurement_tree(3, D, N)
     with pytest.raises(ValueError, match="step_cost_file"):
         SpeculativeConfig(draft_model="random", topk=2, tree_max_batch_size=8, step_cost_file="x.json")
     SpeculativeConfig(draft_model="random", topk=2, step_cost_file="x.json")
@@ -211,15 +237,15 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
     policy, rng, chosen = llm.engine.draft_policy, random.Random(7), []
     choose = policy.choose
 
-    def random_kind(requests, generation=False, captured=None, verifying=0):
+    def random_option(requests, generation=False, captured=None, verifying=0):
         choose(requests, generation, captured, verifying)  # the policy's own bookkeeping runs too
-        policy.kind = rng.choice([CHAIN, TREE])
-        chosen.append(policy.kind)
-        return 8 if policy.kind == TREE else 3
+        policy.option = rng.randrange(len(policy.drafts))  # a chain of 1, 2 or 3 drafts, or the tree
+        chosen.append(policy.drafts[policy.option])
+        return chosen[-1]
 
-    policy.choose = random_kind
+    policy.choose = random_option
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    assert {CHAIN, TREE} <= set(chosen)
+    assert {1, 2, 3, 8} <= set(chosen)
     chain, tree = policy.counts
     assert chain.rows > 0 and tree.rows > 0  # observed by kind of step
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable
@@ -239,17 +265,16 @@ def test_the_graph_a_step_runs_is_the_one_its_choice_asked_about(dirs, overlap):
     policy, rng, steps, ran = llm.engine.draft_policy, random.Random(3), [], []
     choose, run, launch, has = policy.choose, graphs.run, runner.launch, graphs.has
 
-    def random_kind(requests, generation=False, captured=None, verifying=0):
+    def random_option(requests, generation=False, captured=None, verifying=0):
         choose(requests, generation, captured, verifying)
-        policy.kind = rng.choice([CHAIN, TREE])
-        drafts = policy.num_nodes if policy.kind == TREE else policy.draft_len
-        q = 1 + (policy.num_nodes if verifying > policy.draft_len else policy.draft_len)
+        policy.option = rng.randrange(len(policy.drafts))
         asked = []
         graphs.has = lambda kind: asked.append(kind) or has(kind)
-        graph_check(graphs, captured.layout, spec.graph_switches).runs(q, drafts)  # a fresh check: no memo
+        check = graph_check(graphs, captured.layout, spec.graph_switches)  # a fresh check: no memo
+        check.runs(*policy.step_graph(policy._width(verifying), policy.option))
         graphs.has = has
         steps.append(asked[0] if generation and isinstance(captured.layout(), tuple) else None)
-        return drafts
+        return policy.drafts[policy.option]
 
     def launched(batch, draft_len=None):
         ran.clear()
@@ -257,19 +282,21 @@ def test_the_graph_a_step_runs_is_the_one_its_choice_asked_about(dirs, overlap):
         steps[-1] = (steps[-1], list(ran))
         return out
 
-    policy.choose, runner.launch = random_kind, launched
+    policy.choose, runner.launch = random_option, launched
     graphs.run = lambda key, *a, **kw: ran.append(key.kind) or run(key, *a, **kw)
     llm.generate(PROMPTS, GREEDY)
     pairs = [(asked, kinds[0]) for asked, kinds in steps if asked is not None]
     assert len(pairs) > 10 and all(asked == first for asked, first in pairs)
-    switches = {(asked[0].q, asked[2]) for asked, _ in pairs}
-    assert {(1 + policy.draft_len, 3), (1 + policy.num_nodes, 1)} <= switches  # both kinds of switch step ran
+    ran = {(asked[0].q, asked[1], asked[2]) for asked, _ in pairs}
+    n, d = policy.num_nodes, policy.draft_len
+    assert (1 + n, d, 1) in ran  # the switch step: a tree's width, drafting a chain of D
+    assert {(2, 1, 1), (3, 2, 1), (1 + n, -1, 3)} <= ran  # chains shorter than D, the tree
 
 
-def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs, tmp_path):
-    """The costs a graph engine measures at start (graph layouts, run without capture on the CPU): two kinds of
-    step per bucket, the blocks they took back in the pool, saved to and reloaded from the cost file, and the
-    engine's output still plain greedy's with the choice weighing them."""
+def test_the_engine_measures_every_chain_length_and_the_tree_per_batch_bucket(dirs, tmp_path):
+    """The costs a graph engine measures at start (graph layouts, run without capture on the CPU): each option's
+    step per bucket (chains of 1..D, the tree), the blocks they took back in the pool, saved to and reloaded from
+    the cost file, and the engine's output still plain greedy's with the choice weighing them."""
     plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
     reference = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     f = tmp_path / "costs.json"
@@ -277,13 +304,13 @@ def test_the_engine_measures_a_tree_step_and_a_chain_step_per_batch_bucket(dirs,
     eng = llm.engine
     assert eng.draft_policy.costs is None  # no graphs on the CPU: the fixed rule
     spec = eng.runner.speculator
-    assert spec.cost_options(False) is None and list(spec.cost_options(True)) == [3, 8]
+    assert spec.cost_options(False) is None and list(spec.cost_options(True)) == [1, 2, 3, 8]
     from specserve.runner.cuda_graph import CudaGraphs
 
     eng.runner.graphs = CudaGraphs(8, eng.runner._staging_buffers(), capture=False)  # the graph steps' layouts
     eng.spec_config.step_cost_file = str(f)
     costs = load_or_measure_costs(eng, spec.cost_options(True))
-    assert costs.buckets == [1, 2, 4] and costs.max_draft_len == 1 and f.is_file()
+    assert costs.buckets == [1, 2, 4] and costs.max_draft_len == 3 and f.is_file()
     assert eng.pool.num_free == eng.pool.num_usable
     assert load_or_measure_costs(eng, spec.cost_options(True)) == costs  # read back, not measured again
     eng.draft_policy.costs = costs

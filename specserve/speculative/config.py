@@ -58,10 +58,11 @@ class SpeculativeConfig:
       tree_max_batch_size: a step of more rows than this drafts a chain of ``max_draft_len`` (its next verify
         step then costs 1 + D tokens a row instead of 1 + N): a tree's wider verify step pays only where the
         step's cost hardly grows with its rows. None (the default): where the engine runs CUDA graphs, each step
-        drafts the tree or the chain of more expected tokens per second, from both steps' costs measured at
-        engine start (kept in ``step_cost_file`` where given) and the acceptance each is getting
-        (``speculative/tree_choice.py``); elsewhere, and for a tree of ``max_draft_len`` nodes (as wide as the
-        chain: nothing to weigh), steps of more than ``TREE_MAX_BATCH`` rows draft chains.
+        drafts the tree or a chain of 1..``max_draft_len`` drafts, whichever promises most tokens per second,
+        from each option's step costs measured at engine start (kept in ``step_cost_file`` where given) and the
+        acceptance the tree and the chains are getting (``speculative/tree_choice.py``); elsewhere, and for a
+        tree of ``max_draft_len`` nodes (as wide as the chain: nothing to weigh), steps of more than
+        ``TREE_MAX_BATCH`` rows draft chains of ``max_draft_len``.
 
       draft_len_schedule: TensorRT-LLM's batch-size schedule of the draft length, {batch size: D}: a step of B
         rows drafts the D of the smallest key >= B, and nothing (no speculation) past the largest key. Chains

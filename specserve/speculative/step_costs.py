@@ -172,7 +172,8 @@ def load_or_measure_costs(engine, options: dict[int, list[int] | None]) -> StepC
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     shape = f"D={spec.max_draft_len}" if not spec.tree else f"tree={spec.topk}x{spec.max_draft_len}x{spec.num_nodes}"
     key = "|".join(map(str, (engine.model_path, spec.draft_model, spec.method, engine.dtype, device_name,
-                             shape, f"rows={engine.config.scheduler_config.max_num_seqs}",
+                             shape, f"options={','.join(map(str, options))}",
+                             f"rows={engine.config.scheduler_config.max_num_seqs}",
                              f"graphs={engine.runner.graphs is not None}")))
     if spec.step_cost_file is not None:
         costs = StepCosts.load(spec.step_cost_file, key)

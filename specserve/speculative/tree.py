@@ -43,7 +43,7 @@ from specserve.kernels.tree_draft import tree_draft_inputs
 from specserve.kernels.tree_expand import Frontier, expand_depth, select_tree
 from specserve.kernels.tree_layout import tree_attention_layout
 from specserve.speculative.tree_accept import accept_tree, compact_path_kv
-from specserve.speculative.tree_choice import TREE, TreeChoice
+from specserve.speculative.tree_choice import TreeChoice
 
 
 @dataclass
@@ -62,6 +62,7 @@ class TreeInputs:
     col_of_token: torch.Tensor  # [T] int64
     accept: AcceptInputs
     topk: int = 1  # host-known: children a node expands in this step's drafting (1: a chain)
+    chain_len: int = 0  # host-known: a chain's drafts this step (``plan_step``); a tree's steps: D
     host_rows: list = field(default_factory=list)
 
 
@@ -90,7 +91,8 @@ class TreeSpeculator(SpeculatorBase):
         self.block_size = block_size
         self.topk = spec.topk
         self.max_pos = model.rope.cos_cache.shape[0] - 1
-        self.step_topk = self.topk  # this step's drafting (``plan_step``)
+        # this step's drafting and width (``plan_step``): children a node expands, a chain's drafts, tokens a row
+        self.step_topk, self.step_chain, self.step_q = self.topk, self.draft_len, 1 + self.num_nodes
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -102,17 +104,21 @@ class TreeSpeculator(SpeculatorBase):
         return 2 + self.draft_len + 2 * self.num_nodes
 
     def plan_step(self, sched, draft_len: int | None = None, captured=None) -> int:
-        """Whether a step drafts the tree or a chain (a tree of one child a node, whose next verify step takes
-        1 + D tokens a row): ``TreeChoice``'s choice (which weighs the graphs ``captured`` has), or ``draft_len``
-        where a caller chooses (N: the tree, D: a chain) -> the drafts it proposes a row at most."""
-        if draft_len is None:  # the rows verify the kind of drafts the step before proposed: its width
-            widest = max((s.num_drafts for s in sched), default=0)
-            self.policy.choose([s.request for s in sched], self.generation_step(sched), captured, widest)
-            tree = self.policy.kind == TREE
+        """Whether a step drafts the tree or a chain (a tree of one child a node) and of how many drafts:
+        ``TreeChoice``'s choice (which weighs the graphs ``captured`` has), or ``draft_len`` where a caller chooses
+        (more than D: the tree; d: a chain of d) -> the drafts it proposes a row at most. The step runs and drafts
+        as ``TreeChoice.step_graph`` says: at least as wide as its rows verify (a chain longer than chosen is cut
+        to the choice on the host, ``results``: every row's ``next_drafts``)."""
+        widest = max((s.num_drafts for s in sched), default=0)  # the rows verify what the step before proposed
+        if draft_len is None:
+            drafts = self.policy.choose([s.request for s in sched], self.generation_step(sched), captured, widest)
+            tree = self.policy.tree
         else:
-            tree = draft_len > self.draft_len
+            drafts, tree = draft_len, draft_len > self.draft_len
         self.step_topk = self.topk if tree else 1
-        return self.num_nodes if tree else self.draft_len
+        self.step_q, self.step_chain = (1 + self.num_nodes, self.draft_len) if tree else self.policy.step_graph(
+            self.policy.num_nodes if widest > self.draft_len else widest, drafts - 1)
+        return self.num_nodes if tree else drafts
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
         """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a chain step and a tree step
@@ -120,17 +126,18 @@ class TreeSpeculator(SpeculatorBase):
         return self.policy.options() if graphs and self.spec.measures_tree_costs else None  # None where N = D
 
     def graph_switches(self, drafts: int) -> tuple[int, int]:
-        """As the chain's: a tree speculator's steps run no draft length switch (-1); ``drafts`` past D draft the
-        tree (``topk`` children a node), else a chain."""
-        return -1, self.topk if drafts > self.draft_len else 1
+        """As the chain's: ``drafts`` past D draft the tree (no draft length switch, -1; ``topk`` children a
+        node), else a chain of that many."""
+        return (-1, self.topk) if drafts > self.draft_len else (drafts, 1)
 
     def step_switches(self, switches: StepSwitches) -> StepSwitches:
-        """A record's switches with this step's drafting (tree or chain)."""
-        return dataclasses.replace(switches, draft_topk=self.step_topk)
+        """A record's switches with this step's drafting (the tree, or a chain and its drafts)."""
+        return dataclasses.replace(switches, draft_topk=self.step_topk,
+                                   draft_len=-1 if self.step_topk > 1 else self.step_chain)
 
     def verify_q(self, max_drafts: int) -> int:
-        """A generation layout's tokens a row: 1 + D where every row verifies a chain's worth, else 1 + N."""
-        return 1 + (self.draft_len if max_drafts <= self.draft_len else self.num_nodes)
+        """A generation layout's tokens a row: the step's width (``plan_step``), at least 1 + ``max_drafts``."""
+        return max(self.step_q, 1 + max_drafts)
 
     # -- host: a packed step's arrays ------------------------------------------------------------------------
     def packed_shapes(self, rows: int, q: int) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
@@ -178,7 +185,7 @@ class TreeSpeculator(SpeculatorBase):
         return self._switches(switches)
 
     def _switches(self, switches: StepSwitches) -> StepSwitches:
-        return dataclasses.replace(switches, simple_greedy=switches.all_greedy, draft_topk=self.step_topk)
+        return self.step_switches(dataclasses.replace(switches, simple_greedy=switches.all_greedy))
 
     def packed_inputs(self, a: dict, f: dict, sampling: SamplingTensors, flat_index: torch.Tensor, q: int,
                       switches: StepSwitches, host_rows: list) -> TreeInputs:
@@ -187,7 +194,7 @@ class TreeSpeculator(SpeculatorBase):
         return TreeInputs(verify_idx=a["verify_idx"], nodes=a["nodes"], parents=a["parents"],
                           num_nodes=a["num_nodes"], base_col=a["base_col"], t0=a["t0"], start=a["start"],
                           ext=a["ext"], row_of_token=flat_index // q, col_of_token=flat_index % q, accept=acc,
-                          topk=switches.draft_topk, host_rows=host_rows)
+                          topk=switches.draft_topk, chain_len=self._chain_len(switches), host_rows=host_rows)
 
     # -- graph steps: the record's fields and their device views ----------------------------------------------
     def record_params(self, sched, rows: int, ints: dict, floats: dict, switches: StepSwitches) -> StepSwitches:
@@ -229,7 +236,12 @@ class TreeSpeculator(SpeculatorBase):
         return TreeInputs(verify_idx=x["verify_idx"], nodes=x["drafts"], parents=parents,
                           num_nodes=f["num_drafts"], base_col=x["base_col"], t0=x["t0"], start=f["start"], ext=x["ext"],
                           row_of_token=x["row_of_token"].view(-1), col_of_token=x["col_of_token"].reshape(-1),
-                          accept=acc, topk=switches.draft_topk, host_rows=host_rows)
+                          accept=acc, topk=switches.draft_topk, chain_len=self._chain_len(switches),
+                          host_rows=host_rows)
+
+    def _chain_len(self, switches: StepSwitches) -> int:
+        """The depths a step's drafting runs: a chain's drafts, or D for a tree."""
+        return self.draft_len if switches.draft_topk > 1 else switches.draft_len
 
     # -- device: verify, accept, compact, draft --------------------------------------------------------------
     def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
@@ -243,10 +255,10 @@ class TreeSpeculator(SpeculatorBase):
         root_pos = x.start + x.base_col
         compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
         nodes, parents = self.draft(batch, hidden, aux, res)
-        if nodes.shape[1] < n:  # a chain: the unused nodes hang below its deepest one (depth D + 1: never kept)
-            pad = n - nodes.shape[1]
+        if nodes.shape[1] < n:  # a chain: the unused nodes hang below its deepest one (never kept: ``results``)
+            c, pad = nodes.shape[1], n - nodes.shape[1]
             nodes = torch.cat((nodes, torch.zeros_like(nodes[:, :1]).expand(b, pad)), 1)
-            parents = torch.cat((parents, torch.full_like(parents[:, :1], d).expand(b, pad)), 1)
+            parents = torch.cat((parents, torch.full_like(parents[:, :1], c).expand(b, pad)), 1)
         out = torch.cat((res.accepted[None], res.emitted.t(), nodes.t(), parents.t()))  # [2 + D + 2N, B]
         k = x.accept.sampling.logprobs
         if k < 0:
@@ -274,12 +286,13 @@ class TreeSpeculator(SpeculatorBase):
         last_pos = x.start + chain_len - 1
         one = _one_query(meta, last_pos, slot[:0], meta.block_tables)
         out = head.run_module(0, ids0, pos, h, meta0, self.head_kv[head.kv_layer(0)], rows=(last_idx, one))  # [B, H]
-        return self.expand(out, last_pos, ok, meta, x.topk)
+        return self.expand(out, last_pos, ok, meta, x.topk, x.chain_len)
 
     def expand(self, last: torch.Tensor, last_pos: torch.Tensor, ok: torch.Tensor, meta: AttentionMetadata,
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+               k: int, chain_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tree's expansion from each row's head output at its last accepted token ``last`` [B, H], ``k``
-        children a node -> nodes, parents [B, N] (a chain, k = 1: [B, D]) (module docstring, step 4)."""
+        children a node -> nodes, parents [B, N] (a chain, k = 1: [B, ``chain_len``]) (module docstring,
+        step 4)."""
         head, bs = self.head, self.block_size
         b = last.shape[0]
         dev = last.device
@@ -290,6 +303,9 @@ class TreeSpeculator(SpeculatorBase):
         # a chain (k = 1) has nothing to rank: each depth's argmax, through the head's draft output layer as the
         # chain's own draft loop takes it (its fused argmax, not the logits, a log-softmax and two top-k kernels)
         chain = [head.draft_ids(0, last)] if k == 1 else None  # each depth's token [B]
+        depths = self.draft_len if chain is None else chain_len
+        if chain is not None and depths == 1:
+            return chain[0][:, None], torch.zeros_like(chain[0][:, None])
         if chain is not None:
             f = dataclasses.replace(root, tok=chain[0][:, None])
         else:
@@ -303,7 +319,7 @@ class TreeSpeculator(SpeculatorBase):
         tables = meta.block_tables.repeat_interleave(k, dim=0)  # [B * k, M]
         # every depth's scratch columns, positions, slots and RoPE positions at once (a few kernels, not a few a
         # depth), laid out [depth, B * k] so that each depth reads contiguous rows
-        steps = self.draft_len - 1
+        steps = depths - 1
         col = torch.arange(steps * k, device=dev).view(steps, 1, k)  # [D-1, 1, k]
         col_bit = 1 << col  # [D-1, 1, k]
         spos = (base[None, :, None] + col).clamp(max=self.max_pos)  # [D-1, B, k]
@@ -316,7 +332,7 @@ class TreeSpeculator(SpeculatorBase):
         flat = torch.arange(b * k, device=dev)
         tree_base = base.repeat_interleave(k)
         next_id = k
-        for depth in range(1, self.draft_len):
+        for depth in range(1, depths):
             f.bits = f.bits | col_bit[depth - 1]  # [B, k]: the scratch columns this depth's nodes see
             m = AttentionMetadata(slot_mapping=slot[depth - 1], block_tables=tables, query_index=flat[:, None],
                                   query_pos=spos[depth - 1], flat_index=flat, sliding_window=meta.sliding_window,
@@ -331,7 +347,7 @@ class TreeSpeculator(SpeculatorBase):
             f = expand_depth(head.raw_logits(depth, out), f, k, ids, next_id, cand_tok, cand_score, cand_par)
             next_id += k * k
         if chain is not None:  # node j's parent is column j (the root's child first)
-            return torch.stack(chain, 1), torch.arange(self.draft_len, device=dev).expand(b, -1)
+            return torch.stack(chain, 1), torch.arange(depths, device=dev).expand(b, -1)
         # each candidate's depth: k at depth 1, then k * k a depth
         cand_depth = self._candidate_depths(k, dev).expand(b, -1)
         return select_tree(cand_tok, cand_par, cand_score, cand_depth, self.num_nodes)
@@ -359,10 +375,11 @@ class TreeSpeculator(SpeculatorBase):
             acc = row[0]
             # the tree this step verified is still the request's (a dropped row's request may have none)
             verified = (s.request.spec_parents or [])[:s.num_drafts]
-            parents = list(row[d + 2 + n:])
-            keep = sum(1 for x in tree_depths(parents) if x <= d)  # a chain's unused nodes lie deeper
+            # the drafts its step proposed: the tree's N, or the chain's chosen length (it may have drafted more)
+            keep = s.next_drafts if s.next_drafts >= 0 else n
+            parents = list(row[d + 2 + n:d + 2 + n + keep])
             out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + keep]), s.num_drafts, acc,
-                                 parents=parents[:keep], depth=max(tree_depths(verified), default=0),
+                                 parents=parents, depth=max(tree_depths(verified), default=0),
                                  logprobs=emitted_logprobs(logprobs, i, acc + 1)))
         return out
 
