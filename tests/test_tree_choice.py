@@ -211,8 +211,7 @@ def test_without_costs_the_fixed_rule_holds_and_the_options_are_the_chains_and_t
     fixed = _choice(tree_max_batch_size=2)
     assert [fixed.choose([None] * b) for b in (2, 3)] == [N, D]
     opts = c.options()
-    assert list(opts) == [1, 2, 3, D, N] and opts[D] == [0, 1, 2, 3] and opts[1] == [0]
-    assert opts[N] == measurement_tree(3, D, N)
+    assert list(opts) == [1, 2, 3, D, N] and opts[D] is None and opts[N] == measurement_tree(3, D, N)
     with pytest.raises(ValueError, match="step_cost_file"):
         SpeculativeConfig(draft_model="random", topk=2, tree_max_batch_size=8, step_cost_file="x.json")
     SpeculativeConfig(draft_model="random", topk=2, step_cost_file="x.json")
@@ -316,3 +315,19 @@ def test_the_engine_measures_every_chain_length_and_the_tree_per_batch_bucket(di
     eng.draft_policy.costs = costs
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert sum(eng.spec_stats.steps_by_draft_len) > 0
+
+
+def test_a_step_runs_at_the_trees_width_where_any_row_verifies_a_tree(dirs):
+    """A layout narrower than the tree's holds chains alone (its graph runs the causal mask and moves no KV): a row
+    verifying a tree (its own parents, or the tree the step in flight drafts for it) takes the step to N."""
+    from types import SimpleNamespace as NS
+
+    spec = _tree_llm(dirs).engine.runner.speculator  # depth 3, 8 nodes
+
+    def row(drafts, parents=None, after=None):
+        return NS(num_drafts=drafts, after=after, request=NS(spec_parents=parents))
+
+    assert spec._verify_width([row(2), row(3), row(0)]) == 3
+    assert spec._verify_width([row(2), row(3, [0, 0, 1])]) == 8  # a tree of 3 nodes (one cut to the room)
+    assert spec._verify_width([row(2), row(2, after=NS(next_drafts=8))]) == 8  # in flight: a tree
+    assert spec._verify_width([row(2), row(3, after=NS(next_drafts=3))]) == 3

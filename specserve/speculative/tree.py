@@ -63,6 +63,9 @@ class TreeInputs:
     accept: AcceptInputs
     topk: int = 1  # host-known: children a node expands in this step's drafting (1: a chain)
     chain_len: int = 0  # host-known: a chain's drafts this step (``plan_step``); a tree's steps: D
+    # host-known: every row verifies a chain (a graph layout narrower than a tree's): the causal mask, and no KV
+    # to move (a chain's nodes already sit at their positions)
+    chains: bool = False
     host_rows: list = field(default_factory=list)
 
 
@@ -109,7 +112,7 @@ class TreeSpeculator(SpeculatorBase):
         (more than D: the tree; d: a chain of d) -> the drafts it proposes a row at most. The step runs and drafts
         as ``TreeChoice.step_graph`` says: at least as wide as its rows verify (a chain longer than chosen is cut
         to the choice on the host, ``results``: every row's ``next_drafts``)."""
-        widest = max((s.num_drafts for s in sched), default=0)  # the rows verify what the step before proposed
+        widest = self._verify_width(sched)
         if draft_len is None:
             drafts = self.policy.choose([s.request for s in sched], self.generation_step(sched), captured, widest)
             tree = self.policy.tree
@@ -117,8 +120,20 @@ class TreeSpeculator(SpeculatorBase):
             drafts, tree = draft_len, draft_len > self.draft_len
         self.step_topk = self.topk if tree else 1
         self.step_q, self.step_chain = (1 + self.num_nodes, self.draft_len) if tree else self.policy.step_graph(
-            self.policy.num_nodes if widest > self.draft_len else widest, drafts - 1)
+            widest, drafts - 1)
         return self.num_nodes if tree else drafts
+
+    def _verify_width(self, sched) -> int:
+        """The most drafts a row of the step verifies (what the step before proposed), or N where a row verifies a
+        tree, not a chain (its own tree, or the tree the step in flight drafts for it): such a step runs at the
+        tree's width, so a narrower layout holds chains alone (``graph_inputs``)."""
+        d, widest = self.draft_len, 0
+        for s in sched:
+            if s.num_drafts:
+                if (s.after.next_drafts > d) if s.after is not None else s.request.spec_parents is not None:
+                    return self.num_nodes
+                widest = max(widest, s.num_drafts)
+        return widest
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
         """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a chain step and a tree step
@@ -171,7 +186,7 @@ class TreeSpeculator(SpeculatorBase):
         for i, s in enumerate(sched):
             req = s.request
             if s.num_drafts:
-                parents = req.spec_parents[:s.num_drafts]
+                parents = _parents_of(req, s.num_drafts)
                 depth, bits = tree_layout(parents)
                 lo = base[i]
                 a["nodes"][i, :s.num_drafts] = req.spec_token_ids[:s.num_drafts]
@@ -214,7 +229,7 @@ class TreeSpeculator(SpeculatorBase):
         n = self.num_nodes
         out: list[int] = []
         for s in sched:
-            got = s.request.spec_parents[:s.num_drafts] if s.num_drafts and s.after is None else []
+            got = _parents_of(s.request, s.num_drafts) if s.num_drafts and s.after is None else []
             out += got + [0] * (n - len(got))
         return out + [0] * (n * (rows - len(sched)))
 
@@ -223,13 +238,15 @@ class TreeSpeculator(SpeculatorBase):
         """Inside a graph step: its ``TreeInputs`` from the record's views ``f`` and their expansion ``x``; a row
         with nodes gets positions by depth (in place, in the step's positions) and its tree's ancestor bits (in
         ``meta``)."""
-        n = x["drafts"].shape[1]  # the layout's drafts a row (N, or D where all are chains)
+        n = x["drafts"].shape[1]  # the layout's drafts a row (N, or a chain's where all rows verify chains)
         parents = f["parents"].view(-1, self.num_nodes)[:, :n]
-        # the mask's positions stay the columns' (expand_record's one tensor for both): a copy before the nodes'
-        # positions by depth are written in place
-        meta.query_pos, meta.tree_bits = tree_attention_layout(parents, f["num_drafts"], f["start"],
-                                                               x["positions"], self.draft_len)
-        meta.tree_base = f["start"]
+        chains = n < self.num_nodes  # (``_verify_width``): a chain's positions by depth are its columns'
+        if not chains:
+            # the mask's positions stay the columns' (expand_record's one tensor for both): a copy before the
+            # nodes' positions by depth are written in place
+            meta.query_pos, meta.tree_bits = tree_attention_layout(parents, f["num_drafts"], f["start"],
+                                                                   x["positions"], self.draft_len)
+            meta.tree_base = f["start"]
         can_accept, greedy, relaxed, thinking = x["flags"].unbind(0)
         acc = self.verifier.inputs(sampling, greedy, can_accept, relaxed, f["relaxed_topk"], f["relaxed_delta"],
                                    thinking, switches)
@@ -237,7 +254,7 @@ class TreeSpeculator(SpeculatorBase):
                           num_nodes=f["num_drafts"], base_col=x["base_col"], t0=x["t0"], start=f["start"], ext=x["ext"],
                           row_of_token=x["row_of_token"].view(-1), col_of_token=x["col_of_token"].reshape(-1),
                           accept=acc, topk=switches.draft_topk, chain_len=self._chain_len(switches),
-                          host_rows=host_rows)
+                          chains=chains, host_rows=host_rows)
 
     def _chain_len(self, switches: StepSwitches) -> int:
         """The depths a step's drafting runs: a chain's drafts, or D for a tree."""
@@ -252,8 +269,9 @@ class TreeSpeculator(SpeculatorBase):
         logits_fn = model.lm_logits if x.accept.simple_greedy else model.compute_logits
         logits = logits_fn(hidden[x.verify_idx.reshape(-1)]).view(b, n1, -1)  # [B, N+1, V]
         res = accept_tree(logits, x.nodes, x.parents, x.num_nodes, d, self.topk, x.accept)
-        root_pos = x.start + x.base_col
-        compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
+        if not x.chains:
+            root_pos = x.start + x.base_col
+            compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
         nodes, parents = self.draft(batch, hidden, aux, res)
         if nodes.shape[1] < n:  # a chain: the unused nodes hang below its deepest one (never kept: ``results``)
             c, pad = nodes.shape[1], n - nodes.shape[1]
@@ -373,13 +391,15 @@ class TreeSpeculator(SpeculatorBase):
                 out.append(RowResult([]))
                 continue
             acc = row[0]
-            # the tree this step verified is still the request's (a dropped row's request may have none)
-            verified = (s.request.spec_parents or [])[:s.num_drafts]
-            # the drafts its step proposed: the tree's N, or the chain's chosen length (it may have drafted more)
+            # the drafts this step verified are still the request's (a chain's: no parents)
+            verified = s.request.spec_parents
+            depth = s.num_drafts if verified is None else max(tree_depths(verified[:s.num_drafts]), default=0)
+            # the drafts its step proposed: the tree's N, or the chain's chosen length (it may have drafted more),
+            # whose parents are left out (a chain: ``Request.spec_parents``)
             keep = s.next_drafts if s.next_drafts >= 0 else n
-            parents = list(row[d + 2 + n:d + 2 + n + keep])
+            parents = list(row[d + 2 + n:d + 2 + n + keep]) if keep > d or n == d else None
             out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + keep]), s.num_drafts, acc,
-                                 parents=parents, depth=max(tree_depths(verified), default=0),
+                                 parents=parents, depth=depth,
                                  logprobs=emitted_logprobs(logprobs, i, acc + 1)))
         return out
 
@@ -390,6 +410,11 @@ def _one_query(meta: AttentionMetadata, pos: torch.Tensor, slots: torch.Tensor, 
     return AttentionMetadata(slot_mapping=slots, block_tables=tables, query_index=rows[:, None],
                              query_pos=pos[:, None], flat_index=rows, sliding_window=meta.sliding_window,
                              backend=meta.backend)
+
+
+def _parents_of(req, n: int) -> list[int]:
+    """A request's first ``n`` drafts' parent columns (a chain, no parents: each node's the one before)."""
+    return list(range(n)) if req.spec_parents is None else req.spec_parents[:n]
 
 
 def tree_depths(parents: list[int]) -> list[int]:

@@ -142,7 +142,7 @@ class TreeChoice:
         drafts it verifies; None for a tree of N = D nodes (the fixed rule)."""
         if self.num_nodes == self.draft_len:
             return None
-        out: dict[int, list[int] | None] = {d: list(range(d)) for d in self.drafts[:-1]}
+        out: dict[int, list[int] | None] = {d: None for d in self.drafts[:-1]}  # chains: no parents
         out[self.num_nodes] = measurement_tree(self.spec.topk, self.draft_len, self.num_nodes)
         return out
 
