@@ -82,7 +82,8 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
     k = torch.arange(n, device=tokens.device)
     if num_nodes:  # carry rows: accepted, D + 1 emitted, N nodes, N parents
         par = c[:, d + 2 + n:d + 2 + 2 * n]  # [B, N]
-        depth = node_depths(par, d + 1)[:, 1:]  # [B, N]: a chain's unused nodes lie at depth D + 1
+        # [B, N]; a chain's unused nodes hang below its last, past the drafts its step proposed, which ``cap`` holds
+        depth = node_depths(par, d + 1)[:, 1:]
         count = (depth <= limit[:, None]).sum(dim=1)
     else:
         count = limit

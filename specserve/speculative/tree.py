@@ -126,13 +126,15 @@ class TreeSpeculator(SpeculatorBase):
     def _verify_width(self, sched) -> int:
         """The most drafts a row of the step verifies (what the step before proposed), or N where a row verifies a
         tree, not a chain (its own tree, or the tree the step in flight drafts for it): such a step runs at the
-        tree's width, so a narrower layout holds chains alone (``graph_inputs``)."""
+        tree's width, so a narrower layout holds chains alone (``graph_inputs``). A row continuing the step in
+        flight counts by that step's drafting even where the host expects it to verify nothing: the device gives
+        it as many drafts as its room allows once it knows how many that step accepted (``correct_record``)."""
         d, widest = self.draft_len, 0
         for s in sched:
-            if s.num_drafts:
-                if (s.after.next_drafts > d) if s.after is not None else s.request.spec_parents is not None:
-                    return self.num_nodes
-                widest = max(widest, s.num_drafts)
+            if s.after is not None and s.after.next_drafts > d or (
+                    s.after is None and s.num_drafts and s.request.spec_parents is not None):
+                return self.num_nodes
+            widest = max(widest, s.num_drafts)
         return widest
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
