@@ -243,8 +243,13 @@ def test_greedy_output_is_plain_while_steps_switch_between_tree_and_chain(dirs, 
         return chosen[-1]
 
     policy.choose = random_option
+    spec, chain_steps = runner.speculator, []
+    chain_step = spec._chain_step
+    spec._chain_step = lambda *a: chain_steps.append(1) or chain_step(*a)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert {1, 2, 3, 8} <= set(chosen)
+    # a graph layout of chains alone runs the chain engine's verify and draft loop
+    assert bool(chain_steps) == graphs
     chain, tree = policy.counts
     assert chain.rows > 0 and tree.rows > 0  # observed by kind of step
     assert llm.engine.pool.num_free == llm.engine.pool.num_usable

@@ -17,6 +17,9 @@ One step, after the target's forward pass over every row's tokens:
    depth (a child never scores above its parent, so the set holds every node's parent).
 5. one device -> host copy: accepted count, emitted tokens, the next tree's tokens and parents.
 
+A step whose rows all verify chains and that drafts one (a layout narrower than the tree's) runs the chain engine's
+acceptance and draft loop instead (``_chain_step``), as cheap as a chain engine's step.
+
 Generation steps run as CUDA graphs (a layout of 1 + N tokens a row; ``graph_inputs`` derives positions by depth
 and the ancestor bits from the staged parents on the device), as a chain's do. Nothing here knows which head it
 runs.
@@ -33,12 +36,13 @@ import torch
 from specserve.cache.kv_cache import PAD_BLOCK
 from specserve.models.attention import AttentionMetadata
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.sampler import SamplingTensors, token_logprobs
-from specserve.runner.step_batch import RowResult, StepBatch, StepSwitches
+from specserve.runner.sampler import LOGPROB_WIDTH, SamplingTensors, token_logprobs
+from specserve.runner.step_batch import RowResult, SpecInputs, StepBatch, StepSwitches
 from specserve.speculative.accept import AcceptInputs
 from specserve.speculative.config import SpeculativeConfig
-from specserve.speculative.heads import DraftHead
-from specserve.speculative.speculator import ACCEPT_INTS, SpeculatorBase, acceptance_columns, emitted_logprobs
+from specserve.speculative.heads import DraftHead, place
+from specserve.speculative.speculator import (ACCEPT_INTS, Drafter, SpeculatorBase, acceptance_columns,
+                                              emitted_logprobs)
 from specserve.kernels.tree_draft import tree_draft_inputs
 from specserve.kernels.tree_expand import Frontier, expand_depth, select_tree
 from specserve.kernels.tree_layout import tree_attention_layout
@@ -94,6 +98,8 @@ class TreeSpeculator(SpeculatorBase):
         self.block_size = block_size
         self.topk = spec.topk
         self.max_pos = model.rope.cos_cache.shape[0] - 1
+        # a step whose rows verify chains and that drafts one runs the chain engine's draft loop (``_chain_step``)
+        self.drafter = Drafter(head, head_kv, block_size, self.draft_len, self.max_pos)
         # this step's drafting and width (``plan_step``): children a node expands, a chain's drafts, tokens a row
         self.step_topk, self.step_chain, self.step_q = self.topk, self.draft_len, 1 + self.num_nodes
 
@@ -266,6 +272,8 @@ class TreeSpeculator(SpeculatorBase):
     def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
         """After the target's forward pass -> the step's result by rows [2 + D + 2N, B]."""
         x, meta = batch.spec, batch.meta
+        if x.chains and x.topk == 1:
+            return self._chain_step(model, batch, hidden, aux)
         b, n1 = x.verify_idx.shape
         d, n = self.draft_len, self.num_nodes
         logits_fn = model.lm_logits if x.accept.simple_greedy else model.compute_logits
@@ -287,6 +295,32 @@ class TreeSpeculator(SpeculatorBase):
         cols = torch.cat((torch.zeros_like(res.path[:, :1]), res.path), 1)  # [B, D+1]
         at = logits.gather(1, cols[..., None].expand(b, d + 1, logits.shape[-1]))  # [B, D+1, V]
         return out, token_logprobs(at.reshape(b * (d + 1), -1), res.emitted.reshape(-1), k).view(b, -1)
+
+    def _chain_step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list):
+        """A step whose rows all verify chains and that drafts a chain of c (``TreeInputs.chains``): the chain
+        engine's own acceptance and draft loop (``speculator.Verifier``, ``Drafter``: a step as cheap as a chain
+        engine's; nothing to move in the cache), its result laid out as a tree step's: accepted, D + 1 emitted
+        (those past the layout's never read), the chain then zeros, parents 0..c-1 then c (below the chain)."""
+        x = batch.spec
+        b, q = x.verify_idx.shape  # q = 1 + c: the layout verifies the widest chain and drafts as many
+        d, n, c = self.draft_len, self.num_nodes, x.chain_len
+        spec = SpecInputs(verify_idx=x.verify_idx, verify_all=True, drafts=x.nodes, num_drafts=x.num_nodes,
+                          base_col=x.base_col, t0=x.t0, start=x.start, ext=x.ext, row_of_token=x.row_of_token,
+                          col_of_token=x.col_of_token, accept=x.accept, host_rows=x.host_rows, draft_len=c)
+        res = torch.empty(2 + d + 2 * n, b, dtype=torch.int64, device=hidden.device)
+        accepted, emitted, logits = self.verifier(model, hidden, spec, out=res[:q + 1])
+        place(res[0], accepted)
+        place(res[1:q + 1].t(), emitted)
+        out = res[d + 2:d + 2 + c].t()
+        place(out, self.drafter(dataclasses.replace(batch, spec=spec), hidden, aux, accepted, emitted, c, out=out))
+        res[d + 2 + c:d + 2 + n] = 0
+        cols = torch.arange(n, device=hidden.device)
+        res[d + 2 + n:] = cols.clamp(max=c)[:, None]
+        k = x.accept.sampling.logprobs
+        if k < 0:
+            return res
+        lp = token_logprobs(logits.reshape(b * q, -1), emitted.reshape(-1), k).view(b, -1)
+        return res, torch.nn.functional.pad(lp, (0, (d + 1 - q) * LOGPROB_WIDTH))
 
     def draft(self, batch: StepBatch, hidden: torch.Tensor, aux: list, res) -> tuple[torch.Tensor, torch.Tensor]:
         """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
