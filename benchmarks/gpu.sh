@@ -60,6 +60,9 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                turn at each batch size); 420 s
   adaptiverand the same with random weights and a random head (random:smollm2-135m, which accepts nearly nothing):
                no speculation, D = 4 and adaptive at batches 1 8 32; 240 s
+  treepolicy   benchmarks/tree_policy.py: a tree engine's (TREE, 4x6x24) start-up step costs by option, its steps by
+               drafts over three runs of the chat prompts at batches 1 and 32, its live costs, expected tokens and
+               rent owed; 120 s
   trace        benchmarks/step_trace.py: each step of the chat prompts at TRACE_BATCH (64) rows, engine by engine of
                TRACE_MODES ("plain 4 2 adaptive"): its time, D, graph layouts, captures and eager steps; 300 s
   tracerand    the same with random weights and a random head over 128-token random prompts at TRACE_BATCH (1) rows,
@@ -132,7 +135,7 @@ EOF
 [ $# -eq 0 ] || [ "$1" = -h ] || [ "$1" = --help ] && { usage; exit 0; }
 STAGES=" split env model kernels graphtests gputests hewhole chat bars throughput trees prefix summarize overlap "
 STAGES+=" overlaprand adaptive adaptiverand server scale1 scaleall steps profile prefillprof host attention "
-STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures trace tracerand hostrand treeattn "
+STAGES+=" prefillattn cachedattn zeroprof ttftrand bursts captures trace tracerand hostrand treeattn treepolicy "
 STAGES+=" regen-gpteacher regen regen-openers regen-code regen-categories train vocab devsets "
 for st in "$@"; do [[ $STAGES == *" $st "* ]] || { echo "unknown stage: $st" >&2; usage >&2; exit 2; }; done
 
@@ -305,6 +308,8 @@ for st in "$@"; do
     tracerand) timeout "$(lim 200)" python3 benchmarks/step_trace.py --model random:smollm2-135m --draft random \
                  --random-input-len 128 --max-tokens 128 --ignore-eos --batch "${TRACE_BATCH:-1}" \
                  --modes ${TRACE_MODES:-adaptive} --show 16 2>&1 | quiet | tail -80 ;;
+    treepolicy) need_model && timeout "$(lim 120)" python3 benchmarks/tree_policy.py --model $M --draft $HEAD \
+                  --tree "${TREE:-4x6x24}" 2>&1 | quiet | tail -40 ;;
     trace) need_model && timeout "$(lim 300)" python3 benchmarks/step_trace.py --model $M --draft $HEAD \
              --batch "${TRACE_BATCH:-64}" --modes ${TRACE_MODES:-plain 4 2 adaptive} 2>&1 | quiet | tail -80 ;;
     server) need_model && timeout "$(lim 300)" python3 benchmarks/bench_server.py --model $M --draft $HEAD \
