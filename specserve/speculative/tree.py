@@ -67,8 +67,8 @@ class TreeInputs:
     accept: AcceptInputs
     topk: int = 1  # host-known: children a node expands in this step's drafting (1: a chain)
     chain_len: int = 0  # host-known: a chain's drafts this step (``plan_step``); a tree's steps: D
-    # host-known: every row verifies a chain (a graph layout narrower than a tree's): the causal mask, and no KV
-    # to move (a chain's nodes already sit at their positions)
+    # host-known: every row verifies a chain and the step drafts one (a graph layout narrower than a tree's): the
+    # chain engine's step (``TreeSpeculator._chain_step``)
     chains: bool = False
     host_rows: list = field(default_factory=list)
 
@@ -272,16 +272,15 @@ class TreeSpeculator(SpeculatorBase):
     def step(self, model: LlamaForCausalLM, batch: StepBatch, hidden: torch.Tensor, aux: list) -> torch.Tensor:
         """After the target's forward pass -> the step's result by rows [2 + D + 2N, B]."""
         x, meta = batch.spec, batch.meta
-        if x.chains and x.topk == 1:
+        if x.chains:  # (a layout of chains alone drafts a chain: a tree's drafting runs at the tree's width)
             return self._chain_step(model, batch, hidden, aux)
         b, n1 = x.verify_idx.shape
         d, n = self.draft_len, self.num_nodes
         logits_fn = model.lm_logits if x.accept.simple_greedy else model.compute_logits
         logits = logits_fn(hidden[x.verify_idx.reshape(-1)]).view(b, n1, -1)  # [B, N+1, V]
         res = accept_tree(logits, x.nodes, x.parents, x.num_nodes, d, self.topk, x.accept)
-        if not x.chains:
-            root_pos = x.start + x.base_col
-            compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
+        root_pos = x.start + x.base_col
+        compact_path_kv(self.target_kv, meta.block_tables, root_pos, res.path, res.accepted, self.block_size)
         nodes, parents = self.draft(batch, hidden, aux, res)
         if nodes.shape[1] < n:  # a chain: the unused nodes hang below its deepest one (never kept: ``results``)
             c, pad = nodes.shape[1], n - nodes.shape[1]
