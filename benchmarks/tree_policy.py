@@ -22,16 +22,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--tree", default="4x6x24", metavar="KxDxN")
+    ap.add_argument("--tree", default="4x6x24", metavar="KxDxN", help="topk x depth x nodes (a ':B' suffix is ignored)")
+    ap.add_argument("--method", default="eagle3", help="the head's kind: eagle3 or mtp (MTP-Eagle)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kv-cache-memory", type=int, default=4_000_000_000)
     a = ap.parse_args()
-    k, d, n = (int(x) for x in a.tree.split("x"))
+    k, d, n = (int(x) for x in a.tree.split(":")[0].split("x"))
     for batch in a.batch:
-        spec = dict(method="eagle3", draft_model=a.draft, max_draft_len=d, topk=k, max_total_draft_tokens=n)
+        spec = dict(method=a.method, draft_model=a.draft, max_draft_len=d, topk=k, max_total_draft_tokens=n)
         llm = LLM(a.model, max_num_seqs=batch, speculative_config=spec, kv_cache_memory_bytes=a.kv_cache_memory)
         policy, tok = llm.engine.draft_policy, llm.engine.tokenizer
+        if policy.costs is None:
+            raise SystemExit("no step costs: the engine chooses by cost only on CUDA graphs, for a tree of more "
+                             "nodes than its depth")
         print(f"=== batch {batch}: options (drafts) {policy.drafts}; start-up step ms by rows:")
         for rows, sec in zip(policy.costs.buckets, policy.costs.seconds):
             print(f"  {rows:4d} rows: {[round(t * 1e3, 3) for t in sec]}")

@@ -337,3 +337,4 @@ def test_a_step_runs_at_the_trees_width_where_any_row_verifies_a_tree(dirs):
     assert spec._verify_width([row(2), row(2, after=NS(next_drafts=8))]) == 8  # in flight: a tree
     assert spec._verify_width([row(2), row(3, after=NS(next_drafts=3))]) == 3
     assert spec._verify_width([row(2), row(0, after=NS(next_drafts=8))]) == 8  # the device may give it a tree
+    assert spec._verify_width([row(1), row(0, after=NS(next_drafts=3))]) == 3  # or a chain of 3

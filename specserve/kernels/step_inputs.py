@@ -62,8 +62,9 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
     the step in flight (``src`` >= 0, ``runner/overlap.py``) corrected in place from that step's result rows
     ``carry`` [columns + 1, C] (``StepCarry.buf``). ``f``: the record's device views (start, count, offsets, src
     [B]; speculating num_drafts, prev_nd, room, cap [B], flags [4 * B]; a tree's parents [B * N]); tokens [B, q],
-    q = 1 + N (N: ``num_nodes``, a tree's; a chain's D). Plain: the token is the sampled one (``carry`` may be a
-    view of a wider buffer's columns: rows are read by its stride). Speculating: a =
+    q = 1 + N (N: ``num_nodes``, a tree's; a chain's D), or narrower (a tree engine's layout of chains alone).
+    Plain: the token is the sampled one (``carry`` may be a view of a wider buffer's columns: rows are read by its
+    stride). Speculating: a =
     accepted of prev_nd, delta = prev_nd - a; start and offsets move back by delta; the drafts kept are those of
     depth <= clamp(room + delta, 0, D) (a chain's first that many; a tree's a prefix, sorted by depth), at most
     cap; tokens = the bonus (the a-th emitted token), then the drafts (a tree's parents from the carry too); the
@@ -90,7 +91,7 @@ def correct_record_ref(f: dict[str, torch.Tensor], tokens: torch.Tensor, carry: 
     nd = torch.where(dep, torch.minimum(count, f["cap"]), f["num_drafts"])  # [B]
     emitted = c[:, 1:d + 2]  # [B, D+1]
     new = torch.cat([emitted.gather(1, a[:, None]), torch.where(k < nd[:, None], c[:, d + 2:d + 2 + n], 0)], 1)
-    w = min(n + 1, tokens.shape[1])  # a tree step whose rows all verify chains has a layout of 1 + D tokens
+    w = min(n + 1, tokens.shape[1])  # a tree engine's layout of chains alone is narrower than 1 + N
     tokens[:, :w] = torch.where(dep[:, None], new[:, :w], tokens[:, :w])
     if num_nodes:
         parents = f["parents"].view(-1, n)
@@ -189,7 +190,7 @@ if HAVE_TRITON:
                     par = tl.load(row + D + 2 + N + k, mask=km, other=0)
                     cur = k + 1
                     depth = k * 0
-                    for _ in range(D + 1):  # a chain's unused nodes lie at depth D + 1
+                    for _ in range(D + 1):  # a chain's unused nodes hang below it, past ``cap``
                         up = cur > 0
                         depth += up.to(tl.int64)
                         cur = tl.where(up, tl.load(row + D + 1 + N + cur, mask=km & up, other=0), 0)

@@ -322,7 +322,8 @@ class ModelRunner:
                            spec.thinking_tokens if spec is not None else (-1, -1),
                            spec.num_nodes if spec is not None and spec.tree else None)
         tables = f["tables"].view(b, rec.table_width)
-        # a generation layout verifies its q - 1 drafts a row (a tree step drafting chains: D), a prefill the most
+        # a generation layout verifies its q - 1 drafts a row (a tree engine's layout of chains: the widest), a
+        # prefill the most
         drafts = None if spec is None else spec.num_nodes if layout.prefill else q - 1
         more = {} if spec is None else dict(draft_len=drafts, flags=f["flags"].view(4, b))
         x = expand_record(f["start"], f["count"], f["num_drafts"], f["tokens"].view(b, q), tables, self.block_size,

@@ -149,8 +149,8 @@ class CaptureRent:
     """``prefer_captured``'s bookkeeping for a policy: the seconds lost so far by steps of (what their graphs share,
     best option) that took an option with a graph instead of that best one, which had none; kept until the best
     one's graph exists (the step that first takes it may still verify wider drafts, in another graph). The key
-    leaves out the width the rows verify: a tree's debt is cleared where the tree's graphs exist at the tree's
-    width, though the switch step's from a chain's width may still be missing (one capture, once a layout)."""
+    leaves out the width the rows verify: a chain's debt in a tree engine is cleared where the chain's own graph
+    exists, though the switch step's from a tree's width may still be missing (one capture, once a layout)."""
 
     def __init__(self) -> None:
         self.owed: dict[tuple, float] = {}
@@ -184,7 +184,9 @@ class _Launch:
     """A step a policy chose for (``StepPeriods``)."""
 
     rows: int
-    option: int  # the column of ``StepCosts`` it ran (a chain: max(D, drafts verified); a tree: chain 0, tree 1)
+    # the column of ``StepCosts`` it ran (a chain: max(D, drafts verified); a tree engine: its option's, -1 for the
+    # switch step from the tree's width to a chain, ``TreeChoice._column_run``)
+    option: int
     generation: bool
     time: float  # perf_counter seconds at the choice
 

@@ -205,7 +205,10 @@ class Speculator(SpeculatorBase):
         ``draft_len`` where given: step-cost measurements). ``captured.has(s)``: whether the step's graph exists for
         proposing s drafts a row (a generation step's for its rows and table width, verifying and drafting s; a
         prompt step's prefill graph with s as its switch)."""
-        widest = max((s.num_drafts for s in sched), default=0) if self.policy.varies else 0
+        # a row continuing the step in flight may get as many drafts as that step proposed once the device knows
+        # what it accepted (``correct_record``), whatever the host expects: the step is at least that wide
+        widest = max((max(s.num_drafts, s.after.next_drafts if s.after is not None else 0) for s in sched),
+                     default=0) if self.policy.varies else 0
         if draft_len is None:
             # the policy weighs the graphs of the steps after this one: a choice below ``widest`` costs this step
             # nothing (it verifies and drafts ``widest``) but commits the next ones to a graph of its own D

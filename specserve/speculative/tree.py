@@ -140,12 +140,12 @@ class TreeSpeculator(SpeculatorBase):
             if s.after is not None and s.after.next_drafts > d or (
                     s.after is None and s.num_drafts and s.request.spec_parents is not None):
                 return self.num_nodes
-            widest = max(widest, s.num_drafts)
+            widest = max(widest, s.num_drafts, s.after.next_drafts if s.after is not None else 0)
         return widest
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
-        """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a chain step and a tree step
-        (``TreeChoice.options``), whose measured costs the choice weighs."""
+        """Where the engine runs CUDA graphs and ``tree_max_batch_size`` is None: a step of each chain length and a
+        tree step (``TreeChoice.options``), whose measured costs the choice weighs."""
         return self.policy.options() if graphs and self.spec.measures_tree_costs else None  # None where N = D
 
     def graph_switches(self, drafts: int) -> tuple[int, int]:

@@ -161,10 +161,10 @@ class TreeChoice:
         a better one without until what that loses reaches a capture's cost (``CaptureRent``), and a probe waits
         for a step where its graphs exist (until ``PROBE_MAX``)."""
         now, rows = time.perf_counter(), len(requests)
-        last = self.tree_option
+        tree_opt = self.tree_option
         if self.live is None:  # the fixed rule
             cap = self.spec.tree_max_batch_size
-            option = last if rows <= (TREE_MAX_BATCH if cap is None else cap) else self.draft_len - 1
+            option = tree_opt if rows <= (TREE_MAX_BATCH if cap is None else cap) else self.draft_len - 1
         else:
             runs = self._graphs(captured)
             width = self._width(verifying)
@@ -173,12 +173,12 @@ class TreeChoice:
                 return runs(*self.step_graph(width, o)) and runs(*self.step_graph(self.drafts[o], o))
 
             tokens, seconds = self.expected_tokens(), self.live.row(rows)
-            option = best = best_draft_len(tokens, seconds, last, self.last)
+            option = best = best_draft_len(tokens, seconds, tree_opt, self.last)
             if captured is not None:
-                option = best = self.rent.choose(tokens, seconds, last, best, captured, has, rows)
+                option = best = self.rent.choose(tokens, seconds, tree_opt, best, captured, has, rows)
             if generation:
-                tree = best == last
-                changed = self.last is None or (self.last == last) != tree  # from chains to the tree or back
+                tree = best == tree_opt
+                changed = self.last is None or (self.last == tree_opt) != tree  # from chains to the tree or back
                 self.run = 1 if changed else self.run + 1
                 if changed:
                     self.probe_after = PROBE_AFTER
@@ -186,7 +186,7 @@ class TreeChoice:
                 # a probe of the other kind, this step only (the tree, or the best chain), where its step's graph and
                 # the step's after it (back to the chosen option, from the probe's width) exist (a capture mid-run
                 # costs more than a probe finds), or once the wait reaches PROBE_MAX
-                other = last if not tree else max(range(last), key=lambda o: (tokens[o] / seconds[o], -o))
+                other = tree_opt if not tree else max(range(tree_opt), key=lambda o: (tokens[o] / seconds[o], -o))
                 if self.run >= self.probe_after and (
                         runs(*self.step_graph(width, other)) and runs(*self.step_graph(self.drafts[other], best))
                         or self.run >= PROBE_MAX):
