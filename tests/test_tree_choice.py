@@ -338,3 +338,34 @@ def test_a_step_runs_at_the_trees_width_where_any_row_verifies_a_tree(dirs):
     assert spec._verify_width([row(2), row(3, after=NS(next_drafts=3))]) == 3
     assert spec._verify_width([row(2), row(0, after=NS(next_drafts=8))]) == 8  # the device may give it a tree
     assert spec._verify_width([row(1), row(0, after=NS(next_drafts=3))]) == 3  # or a chain of 3
+
+
+def test_no_row_verifies_more_drafts_than_its_layout_holds(dirs):
+    """Under the overlap scheduler a row continuing the step in flight gets its drafts on the device, up to what that
+    step proposed, even where the host expects none (its room, were every draft accepted, is spent): the step's
+    layout must be that wide (``_verify_width``), or the row's unverified drafts would count as rejected. Replies of
+    many lengths, options chosen at random each step, greedy output still plain decoding's."""
+    params = [SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    plain = LLM(str(dirs / "target"), device="cpu", dtype="float32")
+    reference = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    from specserve.runner.cuda_graph import CudaGraphs
+
+    widths = []
+    for seed in range(6):
+        llm = _tree_llm(dirs, overlap_scheduler=True)
+        runner, policy, rng = llm.engine.runner, llm.engine.draft_policy, random.Random(seed)
+        runner.graphs = CudaGraphs(8, runner._staging_buffers(), capture=False)
+        spec, choose = runner.speculator, policy.choose
+
+        def random_option(requests, generation=False, captured=None, verifying=0):
+            choose(requests, generation, captured, verifying)
+            policy.option = rng.randrange(len(policy.drafts))
+            return policy.drafts[policy.option]
+
+        def checked_step(model, batch, hidden, aux, step=spec.step):
+            widths.append((int(batch.spec.num_nodes.max()), batch.spec.verify_idx.shape[1] - 1))
+            return step(model, batch, hidden, aux)
+
+        policy.choose, spec.step = random_option, checked_step
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == reference
+    assert widths and all(most <= room for most, room in widths), [w for w in widths if w[0] > w[1]]
