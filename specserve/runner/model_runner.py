@@ -181,9 +181,9 @@ class ModelRunner:
 
     def _graph_check(self, batch: SchedulerOutput) -> GraphCheck:
         """For the draft policy's choice: which graphs of these rows exist (``cuda_graph.graph_check`` over
-        ``_graph_shared``, computed at most once). A choice of 0 commits the steps after it to plain steps (``Speculator.drafts_nothing``; under the overlap
-        scheduler the first of them still continues rows that verify drafts, in the speculator's graph of D = 0,
-        captured where a layout first needs it)."""
+        ``_graph_shared``, computed at most once). A choice of 0 commits the steps after it to plain steps
+        (``Speculator.drafts_nothing``; under the overlap scheduler the first of them still continues rows that
+        verify drafts, in the speculator's graph of D = 0, captured where a layout first needs it)."""
         return graph_check(self.graphs, lambda: self._graph_shared(batch), self.speculator.graph_switches)
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device,

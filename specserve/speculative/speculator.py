@@ -150,6 +150,13 @@ class SpeculatorBase:
         return False
 
     @staticmethod
+    def row_width(s) -> int:
+        """The most drafts a scheduled row may verify: its own, or for a row continuing the step in flight as many
+        as that step proposed, which the device may give it once it knows what that step accepted
+        (``correct_record``), whatever the host expects; a step's layout must be at least that wide."""
+        return max(s.num_drafts, s.after.next_drafts) if s.after is not None else s.num_drafts
+
+    @staticmethod
     def generation_step(sched) -> bool:
         """Whether every row of a step verifies and samples (no prompt tokens): its period is a step's cost."""
         return all(s.sample and s.num_tokens == 1 + s.num_drafts and s.start >= s.request.num_prompt_tokens
@@ -205,10 +212,7 @@ class Speculator(SpeculatorBase):
         ``draft_len`` where given: step-cost measurements). ``captured.has(s)``: whether the step's graph exists for
         proposing s drafts a row (a generation step's for its rows and table width, verifying and drafting s; a
         prompt step's prefill graph with s as its switch)."""
-        # a row continuing the step in flight may get as many drafts as that step proposed once the device knows
-        # what it accepted (``correct_record``), whatever the host expects: the step is at least that wide
-        widest = max((max(s.num_drafts, s.after.next_drafts if s.after is not None else 0) for s in sched),
-                     default=0) if self.policy.varies else 0
+        widest = max(map(self.row_width, sched), default=0) if self.policy.varies else 0
         if draft_len is None:
             # the policy weighs the graphs of the steps after this one: a choice below ``widest`` costs this step
             # nothing (it verifies and drafts ``widest``) but commits the next ones to a graph of its own D

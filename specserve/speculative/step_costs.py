@@ -165,8 +165,8 @@ def cost_buckets(max_rows: int) -> list[int]:
 
 def load_or_measure_costs(engine, options: dict[int, list[int] | None]) -> StepCosts:
     """The engine's step costs for its speculator's ``options`` (``cost_options``: ``adaptive_draft_len``'s draft
-    lengths, or a tree and its chains of 1..D): from its ``step_cost_file`` where that holds this model, head, dtype,
-    device and those options, else measured now (and written there)."""
+    lengths, or a tree and its chains of 1..D): from its ``step_cost_file`` where that holds this model, head,
+    dtype, device and those options, else measured now (and written there)."""
     spec = engine.spec_config
     dev = engine.device
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

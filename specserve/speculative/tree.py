@@ -133,14 +133,13 @@ class TreeSpeculator(SpeculatorBase):
         """The most drafts a row of the step verifies (what the step before proposed), or N where a row verifies a
         tree, not a chain (its own tree, or the tree the step in flight drafts for it): such a step runs at the
         tree's width, so a narrower layout holds chains alone (``graph_inputs``). A row continuing the step in
-        flight counts by that step's drafting even where the host expects it to verify nothing: the device gives
-        it as many drafts as its room allows once it knows how many that step accepted (``correct_record``)."""
+        flight counts by that step's drafting (``row_width``)."""
         d, widest = self.draft_len, 0
         for s in sched:
             if s.after is not None and s.after.next_drafts > d or (
                     s.after is None and s.num_drafts and s.request.spec_parents is not None):
                 return self.num_nodes
-            widest = max(widest, s.num_drafts, s.after.next_drafts if s.after is not None else 0)
+            widest = max(widest, self.row_width(s))
         return widest
 
     def cost_options(self, graphs: bool) -> dict[int, list[int] | None] | None:
@@ -432,7 +431,8 @@ class TreeSpeculator(SpeculatorBase):
             # the drafts its step proposed: the tree's N, or the chain's chosen length (it may have drafted more),
             # whose parents are left out (a chain: ``Request.spec_parents``)
             keep = s.next_drafts if s.next_drafts >= 0 else n
-            parents = list(row[d + 2 + n:d + 2 + n + keep]) if keep > d or n == d else None
+            tree = keep > d or n == d  # (a tree of D nodes drafts its chains with parents too)
+            parents = list(row[d + 2 + n:d + 2 + n + keep]) if tree else None
             out.append(RowResult(list(row[1:acc + 2]), list(row[d + 2:d + 2 + keep]), s.num_drafts, acc,
                                  parents=parents, depth=depth,
                                  logprobs=emitted_logprobs(logprobs, i, acc + 1)))
