@@ -102,6 +102,7 @@ class TreeSpeculator(SpeculatorBase):
         self.drafter = Drafter(head, head_kv, block_size, self.draft_len, self.max_pos)
         # this step's drafting and width (``plan_step``): children a node expands, a chain's drafts, tokens a row
         self.step_topk, self.step_chain, self.step_q = self.topk, self.draft_len, 1 + self.num_nodes
+        self._chain_tails: dict[tuple[int, torch.device], torch.Tensor] = {}  # ``_chain_step``'s constant rows
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -311,14 +312,23 @@ class TreeSpeculator(SpeculatorBase):
         place(res[1:q + 1].t(), emitted)
         out = res[d + 2:d + 2 + c].t()
         place(out, self.drafter(dataclasses.replace(batch, spec=spec), hidden, aux, accepted, emitted, c, out=out))
-        res[d + 2 + c:d + 2 + n] = 0
-        cols = torch.arange(n, device=hidden.device)
-        res[d + 2 + n:] = cols.clamp(max=c)[:, None]
+        res[d + 2 + c:] = self._chain_tail(c, hidden.device)[:, None]  # one copy, not a kernel per piece
         k = x.accept.sampling.logprobs
         if k < 0:
             return res
         lp = token_logprobs(logits.reshape(b * q, -1), emitted.reshape(-1), k).view(b, -1)
         return res, torch.nn.functional.pad(lp, (0, (d + 1 - q) * LOGPROB_WIDTH))
+
+    def _chain_tail(self, c: int, device: torch.device) -> torch.Tensor:
+        """What a chain of c's result holds past its drafts, the same every step [2N - c]: zeros for the nodes it
+        leaves empty, then the parents 0..c-1, c, ..., c. Made once, by the eager run that precedes a graph's capture
+        (``CudaGraphs.run``), so the graph reads a tensor that lives as long as the speculator."""
+        key = (c, device)
+        if key not in self._chain_tails:
+            n = self.num_nodes
+            tail = torch.cat((torch.zeros(n - c, dtype=torch.int64), torch.arange(n).clamp(max=c)))
+            self._chain_tails[key] = tail.to(device)
+        return self._chain_tails[key]
 
     def draft(self, batch: StepBatch, hidden: torch.Tensor, aux: list, res) -> tuple[torch.Tensor, torch.Tensor]:
         """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
