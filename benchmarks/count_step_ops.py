@@ -4,7 +4,8 @@ With Triton's interpreter the model takes the same path as on CUDA (Triton kerne
 so the counts stand for kernel launches inside a captured step: every ATen op that does work (views and
 shape queries excluded) plus every Triton kernel launch. A counted figure, not a timing.
 
-    python benchmarks/count_step_ops.py [--spec | --tree KxDxN] [--model random:smollm2-135m] [--draft-len 4]
+    python benchmarks/count_step_ops.py [--spec | --tree KxDxN [--chains]] [--draft-len 4]
+        [--model random:smollm2-135m | HF_FOLDER]   # a small folder counts in seconds, the 135M shapes in minutes
 """
 
 from __future__ import annotations
@@ -61,14 +62,21 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="a speculative step (random EAGLE-3 head)")
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--tree", metavar="KxDxN", help="a draft tree's step instead (top-k, depth, nodes)")
+    ap.add_argument("--chains", action="store_true",
+                    help="with --tree: the tree engine's step that verifies and drafts a chain of D (as its choice "
+                         "takes where the tree does not pay), to set beside --spec's chain engine step")
     ap.add_argument("--context", type=int, default=30)
     a = ap.parse_args()
+    if a.chains and not a.tree:
+        ap.error("--chains needs --tree")
     a.spec = a.spec or a.tree is not None
     kw = dict(speculative_config=dict(method="eagle3", draft_model="random", max_draft_len=a.draft_len)) \
         if a.spec else {}
     if a.tree:
         k, d, n = tree_shape(a.tree)
         kw["speculative_config"].update(topk=k, max_draft_len=d, max_total_draft_tokens=n)
+        if a.chains:  # without step costs (CPU) the fixed rule decides: more rows than this draft chains of D
+            kw["speculative_config"].update(tree_max_batch_size=0)
     llm = LLM(a.model, device="cpu", dtype="float32", num_kv_blocks=64, **kw)
     eng = llm.engine
     # the graph layout a CUDA engine replays (run eagerly here): its inputs are expanded from the step's record
@@ -88,16 +96,16 @@ def main() -> None:
     interpreter.InterpretedFunction.run = counted_launch
     runner = eng.runner
     wrap_phase(counter, runner.model, "forward", "target", "accept or sample")
-    if a.tree:  # head step 0 over the accepted chain and the expansion (acceptance and the KV move before it)
+    if a.tree and not a.chains:  # head step 0 over the accepted chain and the expansion (acceptance, KV move before)
         wrap_phase(counter, runner.speculator, "draft", "draft", "after")
-    elif a.spec:
+    elif a.spec:  # the chain engine's draft loop, which a tree engine's chain step runs too (``_chain_step``)
         wrap_phase(counter, runner.speculator.drafter.head, "propose", "draft", "after")
     with counter, torch.inference_mode():
         eng.step()
     phases = collections.Counter()
     for (phase, _), n in counter.counts.items():
         phases[phase] += n
-    kind = f"tree {a.tree}" if a.tree else "speculative" if a.spec else "plain"
+    kind = f"tree {a.tree}" + (", chains of D" if a.chains else "") if a.tree else "speculative" if a.spec else "plain"
     print(f"{kind} step: {sum(phases.values())} ops, by phase {dict(phases)}")
     for phase in phases:
         ops = sorted(((n, op) for (p, op), n in counter.counts.items() if p == phase), reverse=True)
