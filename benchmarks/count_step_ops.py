@@ -76,6 +76,8 @@ def main() -> None:
         k, d, n = tree_shape(a.tree)
         kw["speculative_config"].update(topk=k, max_draft_len=d, max_total_draft_tokens=n)
         if a.chains:  # without step costs (CPU) the fixed rule decides: more rows than this draft chains of D
+            if n == d:
+                ap.error("--chains: a tree of as many nodes as its depth is a chain already")
             kw["speculative_config"].update(tree_max_batch_size=0)
     llm = LLM(a.model, device="cpu", dtype="float32", num_kv_blocks=64, **kw)
     eng = llm.engine
