@@ -102,7 +102,7 @@ class TreeSpeculator(SpeculatorBase):
         self.drafter = Drafter(head, head_kv, block_size, self.draft_len, self.max_pos)
         # this step's drafting and width (``plan_step``): children a node expands, a chain's drafts, tokens a row
         self.step_topk, self.step_chain, self.step_q = self.topk, self.draft_len, 1 + self.num_nodes
-        self._chain_tails: dict[tuple[int, torch.device], torch.Tensor] = {}  # ``_chain_step``'s constant rows
+        self._chain_tails: dict[int, torch.Tensor] = {}  # ``_chain_step``'s constant rows, by chain length
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -323,12 +323,11 @@ class TreeSpeculator(SpeculatorBase):
         """What a chain of c's result holds past its drafts, the same every step [2N - c]: zeros for the nodes it
         leaves empty, then the parents 0..c-1, c, ..., c. Made once, by the eager run that precedes a graph's capture
         (``CudaGraphs.run``), so the graph reads a tensor that lives as long as the speculator."""
-        key = (c, device)
-        if key not in self._chain_tails:
+        if c not in self._chain_tails:
             n = self.num_nodes
             tail = torch.cat((torch.zeros(n - c, dtype=torch.int64), torch.arange(n).clamp(max=c)))
-            self._chain_tails[key] = tail.to(device)
-        return self._chain_tails[key]
+            self._chain_tails[c] = tail.to(device)
+        return self._chain_tails[c]
 
     def draft(self, batch: StepBatch, hidden: torch.Tensor, aux: list, res) -> tuple[torch.Tensor, torch.Tensor]:
         """Head step 0 over each row's accepted chain, then the tree's expansion -> next nodes, parents [B, N]."""
