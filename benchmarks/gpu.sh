@@ -120,7 +120,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                /root/regen-categories (train on it alone: DATA=/root/regen-categories/data.pt
                TRAIN_ARGS="--max-seq-len 4400 --batch-tokens 65536")
   devsets      the shipped heads (or HEAD_eagle3 / HEAD_mtp) on development sets of DEV_N (32) conversations a
-               category from the held-out records (needs regen-gpteacher), D = 4, greedy
+               category from the held-out records (needs regen-gpteacher), D = 4, greedy; DEV_METHODS (eagle3 mtp),
+               DEV_TAG (a suffix of the run's names, so runs in parallel keep apart)
 
 LIMIT=S overrides every stage's limit.  Give the device call at least the sum of its stages' limits, and do not
 pipe the runner through `tail` (a killed call then returns no output).  Examples:
@@ -384,14 +385,14 @@ for st in "$@"; do
     regen-categories) need_model && regen categories 500 "${PROMPTS[@]}" --holdout 0.25 --max-prompts 2824 \
                         --category-prompts "${CAT_COUNT:-300}" --doc-tokens 4000 --max-seq-len 4400 \
                         --gen-workers 8 --gen-max-tokens 256 ;;
-    devsets) need_model && for m in eagle3 mtp; do echo "--- $m"
+    devsets) need_model && for m in ${DEV_METHODS:-eagle3 mtp}; do echo "--- $m"
                init=specserve/heads/smollm2-135m-eagle3; [ $m = mtp ] && init=specserve/heads/smollm2-135m-mtp-eagle
-               init_var=HEAD_$m
-               timeout "$(lim 280)" python3 -m specserve.cli train-draft --target $M --method $m --out /root/dev-$m \
+               init_var=HEAD_$m; n=$m${DEV_TAG:-}
+               timeout "$(lim 280)" python3 -m specserve.cli train-draft --target $M --method $m --out /root/dev-$n \
                  "${PROMPTS[@]}" --data /root/regen-gpteacher/data.pt --init-from "${!init_var:-$init}" --steps 0 \
                  --eval-max-prompts 1 --dev-set-size "${DEV_N:-32}" --doc-tokens 4000 2>&1 | quiet | tail -3
-               cp /root/dev-$m/report.json $OUT/report-dev-$m.json
-               cp /root/dev-$m/acceptance-by-category.png $OUT/dev-$m.png
+               cp /root/dev-$n/report.json $OUT/report-dev-$n.json
+               cp /root/dev-$n/acceptance-by-category.png $OUT/dev-$n.png
              done ;;
     *) echo "unknown stage: $st" >&2; usage >&2; exit 2 ;;
   esac
