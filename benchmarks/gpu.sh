@@ -118,7 +118,8 @@ On the GPU machine (the wheels in .whl/ are installed into /tmp/site first, when
                summarize and question, multi-turn, rewriting, extraction, translation, math) from the GPTeacher
                training records, answered greedily, with the GPTeacher responses of regen-gpteacher's split ->
                /root/regen-categories (train on it alone: DATA=/root/regen-categories/data.pt
-               TRAIN_ARGS="--max-seq-len 4400 --batch-tokens 65536")
+               TRAIN_ARGS="--max-seq-len 4400 --batch-tokens 20480"; at 65536 two heads side by side run out
+               of an H100's memory)
   devsets      the shipped heads (or HEAD_eagle3 / HEAD_mtp) on development sets of DEV_N (32) conversations a
                category from the held-out records (needs regen-gpteacher), D = 4, greedy; DEV_METHODS (eagle3 mtp),
                DEV_TAG (a suffix of the run's names, so runs in parallel keep apart)
@@ -390,7 +391,7 @@ for st in "$@"; do
                init_var=HEAD_$m; n=$m${DEV_TAG:-}
                timeout "$(lim 280)" python3 -m specserve.cli train-draft --target $M --method $m --out /root/dev-$n \
                  "${PROMPTS[@]}" --data /root/regen-gpteacher/data.pt --init-from "${!init_var:-$init}" --steps 0 \
-                 --eval-max-prompts 1 --dev-set-size "${DEV_N:-32}" --doc-tokens 4000 2>&1 | quiet | tail -3
+                 --eval-max-prompts 1 --dev-set-size "${DEV_N:-32}" --doc-tokens 4000 2>&1 | tfilter | quiet | tail -16
                cp /root/dev-$n/report.json $OUT/report-dev-$n.json
                cp /root/dev-$n/acceptance-by-category.png $OUT/dev-$n.png
              done ;;

@@ -122,6 +122,30 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
     assert [h["step"] for h in again["history"]] == [0, 5, 10, 15, 19, 20, 25, 29]
 
 
+def test_one_engine_evaluates_each_set_as_a_fresh_engine_would(dirs):
+    """The report's sets share one engine; each set's figures (its requests' counters summed) equal what an
+    engine of its own counts for it."""
+    from specserve.train.report import acceptance
+
+    sets = {"a": ["Hello world", "The fox"], "b": [[{"role": "user", "content": "Count to five"},
+                                                   {"role": "assistant", "content": "1 2 3"},
+                                                   {"role": "user", "content": "Go on"}]]}
+    target, head = str(dirs / "target"), str(dirs / "eagle3")
+    got = acceptance(target, "eagle3", head, sets, draft_len=3, max_tokens=12, device="cpu", dtype="float32")
+    for name, prompts in sets.items():
+        llm = LLM(target, device="cpu", dtype="float32",
+                  speculative_config=dict(method="eagle3", draft_model=head, max_draft_len=3))
+        convs = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        llm.generate([{"prompt_token_ids": llm.tokenizer.apply_chat_template(c)} for c in convs],
+                     SamplingParams(temperature=0, max_tokens=12))
+        ref = llm.engine.spec_stats
+        assert ref.num_drafted > 0
+        assert got[name]["prompts"] == len(prompts)
+        assert got[name]["acceptance_length"] == ref.acceptance_length
+        assert got[name]["acceptance_rate"] == ref.acceptance_rate
+        assert got[name]["per_position_acceptance"] == ref.per_position
+
+
 @pytest.mark.parametrize("method,draft_vocab,shared", [("eagle3", 0, False), ("eagle3", 50, False),
                                                        ("eagle3", 50, True), ("mtp", 0, False)])
 

@@ -121,11 +121,5 @@ def cmd_train(a: argparse.Namespace) -> int:
     if cfg.regenerate_only:
         print(f"regenerated {report['regenerated']} sequences into {report['data']}")
         return 0
-    for name, e in report["eval"].items():
-        if e["acceptance_length"] is None:
-            print(f"{name}: no speculative step ran (outputs too short to measure acceptance)")
-            continue
-        pos = " ".join(f"{p:.2f}" for p in e["per_position_acceptance"])
-        print(f"{name}: acceptance length {e['acceptance_length']:.2f} (D={e['draft_len']}), per position [{pos}]")
     print(f"head written to {a.out}/head; report in {a.out}/report.json")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specserve.core.metrics import SpecStats
 from specserve.train.devsets import build_dev_sets
 from specserve.train.prompts import read_prompts
 
@@ -12,10 +13,12 @@ from specserve.train.prompts import read_prompts
 EVAL_KV_BYTES = 4 << 30  # the evaluation engine's KV cache on a GPU
 
 
-def acceptance(target, method: str, head_dir, prompts: list, draft_len: int, max_tokens: int,
+def acceptance(target, method: str, head_dir, sets: dict[str, list], draft_len: int, max_tokens: int,
                device=None, dtype: str = "auto") -> dict:
-    """Greedy acceptance of ``head_dir`` on chat prompts (a user message each, or whole conversations: lists of
-    messages): acceptance length and per-position acceptance."""
+    """Greedy acceptance of ``head_dir`` on each named set of chat prompts (a user message each, or whole
+    conversations: lists of messages): acceptance length and per-position acceptance a set. One engine serves
+    every set (starting one, graphs captured, costs more than a small set's generation); a set's figures are
+    the sum of its own requests' counters, and each set's line is printed as it ends."""
     from specserve import LLM, SamplingParams
     from specserve.config import resolve_device
 
@@ -25,14 +28,25 @@ def acceptance(target, method: str, head_dir, prompts: list, draft_len: int, max
     llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128, kv_cache_memory_bytes=kv,
               speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
     tok = llm.tokenizer
-    convs = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-    reqs = [{"prompt_token_ids": tok.apply_chat_template(c)} for c in convs]
-    outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True,
-                        raise_on_error=False)
-    stats = llm.engine.spec_stats
-    return {"prompts": len(prompts), "generated_tokens": sum(len(o.token_ids) for o in outs),
-            "acceptance_length": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
-            "per_position_acceptance": stats.per_position, "draft_len": draft_len}
+    results = {}
+    for name, prompts in sets.items():
+        convs = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        reqs = [{"prompt_token_ids": tok.apply_chat_template(c)} for c in convs]
+        outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True,
+                            raise_on_error=False)
+        stats = SpecStats.total(o.spec for o in outs if o.spec is not None)
+        results[name] = {"prompts": len(prompts), "generated_tokens": sum(len(o.token_ids) for o in outs),
+                         "acceptance_length": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
+                         "per_position_acceptance": stats.per_position, "draft_len": draft_len}
+        print(f"{name}: {_line(results[name])}", flush=True)  # as it ends: a killed run keeps these
+    return results
+
+
+def _line(e: dict) -> str:
+    if e["acceptance_length"] is None:
+        return "no speculative step ran (outputs too short to measure acceptance)"
+    pos = " ".join(f"{p:.2f}" for p in e["per_position_acceptance"])
+    return f"acceptance length {e['acceptance_length']:.2f} (D={e['draft_len']}), per position [{pos}]"
 
 
 def evaluate(cfg, head_dir: Path, holdout: list[str], trained: list = ()) -> dict:
@@ -51,8 +65,9 @@ def evaluate(cfg, head_dir: Path, holdout: list[str], trained: list = ()) -> dic
         dev = build_dev_sets(list(cfg.prompts) + list(cfg.eval_prompts), allowed, cfg.dev_set_size, cfg.seed,
                              (max(1, cfg.doc_tokens // 4), cfg.doc_tokens))
         sets.update({f"dev/{cat}": convs for cat, convs in dev.items()})
-    return {name: acceptance(cfg.target, cfg.method, head_dir, ps, cfg.eval_draft_len, cfg.eval_max_tokens,
-                             cfg.device) for name, ps in sets.items()}
+    sets = {name: ps for name, ps in sets.items() if ps}
+    return acceptance(cfg.target, cfg.method, head_dir, sets, cfg.eval_draft_len, cfg.eval_max_tokens,
+                      cfg.device) if sets else {}
 
 
 def dev_summary(evals: dict) -> dict:
