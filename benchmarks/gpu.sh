@@ -391,7 +391,8 @@ for st in "$@"; do
                init_var=HEAD_$m; n=$m${DEV_TAG:-}
                timeout "$(lim 280)" python3 -m specserve.cli train-draft --target $M --method $m --out /root/dev-$n \
                  "${PROMPTS[@]}" --data /root/regen-gpteacher/data.pt --init-from "${!init_var:-$init}" --steps 0 \
-                 --eval-max-prompts 1 --dev-set-size "${DEV_N:-32}" --doc-tokens 4000 2>&1 | tfilter | quiet | tail -16
+                 --eval-max-prompts 1 --dev-set-size "${DEV_N:-32}" --doc-tokens 4000 2>&1 | tfilter \
+                 | grep -E ": (acceptance length|no speculative)|head written|rror"
                cp /root/dev-$n/report.json $OUT/report-dev-$n.json
                cp /root/dev-$n/acceptance-by-category.png $OUT/dev-$n.png
              done ;;

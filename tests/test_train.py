@@ -123,8 +123,7 @@ def test_short_training_lowers_loss_and_exports_a_working_head(dirs, tmp_path):
 
 
 def test_one_engine_evaluates_each_set_as_a_fresh_engine_would(dirs):
-    """The report's sets share one engine; each set's figures (its requests' counters summed) equal what an
-    engine of its own counts for it."""
+    """The report's sets share one engine; each set's figures equal what an engine of its own counts for it."""
     from specserve.train.report import acceptance
 
     sets = {"a": ["Hello world", "The fox"], "b": [[{"role": "user", "content": "Count to five"},
@@ -141,9 +140,11 @@ def test_one_engine_evaluates_each_set_as_a_fresh_engine_would(dirs):
         ref = llm.engine.spec_stats
         assert ref.num_drafted > 0
         assert got[name]["prompts"] == len(prompts)
-        assert got[name]["acceptance_length"] == ref.acceptance_length
-        assert got[name]["acceptance_rate"] == ref.acceptance_rate
+        # the counts, not only their ratios: this random head accepts nothing, so ratios alone match anything
+        assert (got[name]["drafted"], got[name]["accepted"], got[name]["verify_steps"], got[name]["emitted"]) == \
+            (ref.num_drafted, ref.num_accepted, ref.num_verify_steps, ref.num_emitted)
         assert got[name]["per_position_acceptance"] == ref.per_position
+    assert got["a"]["drafted"] != got["b"]["drafted"]  # the sets differ: a total over both would not match
 
 
 @pytest.mark.parametrize("method,draft_vocab,shared", [("eagle3", 0, False), ("eagle3", 50, False),

@@ -72,25 +72,6 @@ class SpecStats:
             if j < num_accepted:
                 self.accepted_per_pos[j] += times
 
-    @classmethod
-    def total(cls, stats) -> "SpecStats":
-        """The verify counts of several requests' stats summed (a set of requests' figures, whatever else the
-        engine ran meanwhile); the launch counts, kept per step by the engine, are left empty."""
-        t = cls()
-        for s in stats:
-            t.num_drafted += s.num_drafted
-            t.num_accepted += s.num_accepted
-            t.num_verify_steps += s.num_verify_steps
-            t.num_emitted += s.num_emitted
-            grow = len(s.drafted_per_pos) - len(t.drafted_per_pos)
-            if grow > 0:
-                t.drafted_per_pos += [0] * grow
-                t.accepted_per_pos += [0] * grow
-            for j, (d, a) in enumerate(zip(s.drafted_per_pos, s.accepted_per_pos)):
-                t.drafted_per_pos[j] += d
-                t.accepted_per_pos[j] += a
-        return t
-
     def record_tally(self, tally: "Tally[Verified]") -> None:
         """A step's rows, tallied by how they verified."""
         for v, n in tally.items():

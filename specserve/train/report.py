@@ -17,8 +17,8 @@ def acceptance(target, method: str, head_dir, sets: dict[str, list], draft_len: 
                device=None, dtype: str = "auto") -> dict:
     """Greedy acceptance of ``head_dir`` on each named set of chat prompts (a user message each, or whole
     conversations: lists of messages): acceptance length and per-position acceptance a set. One engine serves
-    every set (starting one, graphs captured, costs more than a small set's generation); a set's figures are
-    the sum of its own requests' counters, and each set's line is printed as it ends."""
+    every set (starting one, graphs captured, costs more than a small set's generation), its counters and
+    prefix cache reset between sets; each set's line is printed as it ends."""
     from specserve import LLM, SamplingParams
     from specserve.config import resolve_device
 
@@ -27,17 +27,23 @@ def acceptance(target, method: str, head_dir, sets: dict[str, list], draft_len: 
     kv = EVAL_KV_BYTES if resolve_device(device).type == "cuda" else None
     llm = LLM(target, device=device, dtype=dtype, max_num_seqs=128, kv_cache_memory_bytes=kv,
               speculative_config=dict(method=method, draft_model=str(head_dir), max_draft_len=draft_len))
-    tok = llm.tokenizer
+    tok, eng = llm.tokenizer, llm.engine
     results = {}
     for name, prompts in sets.items():
+        # each set counted and computed afresh, as `specserve bench` does between runs: the dev sets repeat the
+        # held-out prompts, and a prefix cached by one set would change the next one's batches
+        eng.spec_stats = SpecStats()
+        eng.pool.reset_cache()
         convs = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         reqs = [{"prompt_token_ids": tok.apply_chat_template(c)} for c in convs]
         outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True,
                             raise_on_error=False)
-        stats = SpecStats.total(o.spec for o in outs if o.spec is not None)
+        st = eng.spec_stats
         results[name] = {"prompts": len(prompts), "generated_tokens": sum(len(o.token_ids) for o in outs),
-                         "acceptance_length": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
-                         "per_position_acceptance": stats.per_position, "draft_len": draft_len}
+                         "drafted": st.num_drafted, "accepted": st.num_accepted,
+                         "verify_steps": st.num_verify_steps, "emitted": st.num_emitted,
+                         "acceptance_length": st.acceptance_length, "acceptance_rate": st.acceptance_rate,
+                         "per_position_acceptance": st.per_position, "draft_len": draft_len}
         print(f"{name}: {_line(results[name])}", flush=True)  # as it ends: a killed run keeps these
     return results
 
@@ -65,7 +71,6 @@ def evaluate(cfg, head_dir: Path, holdout: list[str], trained: list = ()) -> dic
         dev = build_dev_sets(list(cfg.prompts) + list(cfg.eval_prompts), allowed, cfg.dev_set_size, cfg.seed,
                              (max(1, cfg.doc_tokens // 4), cfg.doc_tokens))
         sets.update({f"dev/{cat}": convs for cat, convs in dev.items()})
-    sets = {name: ps for name, ps in sets.items() if ps}
     return acceptance(cfg.target, cfg.method, head_dir, sets, cfg.eval_draft_len, cfg.eval_max_tokens,
                       cfg.device) if sets else {}
 
